@@ -1,0 +1,3 @@
+from spanwarm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""The ``spanwarm`` command line: one verb per subcommand, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from spanwarm.cli import plan
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: exit status 2 and one line saying what is wrong."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="spanwarm",
+        description="Warm exactly the checkpoint bytes each rank of a distributed job will read.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except BrokenPipeError:  # `spanwarm plan ... | head`
+        sys.stderr.close()
+        return 0
+    return code

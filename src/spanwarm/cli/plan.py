@@ -1,0 +1,147 @@
+"""``spanwarm plan``: which bytes node N warms, with no torch and no daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from spanwarm.costmodel import DEFAULT_SEEK_COST
+from spanwarm.errors import CheckpointError
+from spanwarm.planner import NodePlan, PlacementRule, plan_node
+from spanwarm.safetensors_header import open_checkpoint
+from spanwarm.units import format_bytes, parse_size
+
+EXAMPLES = """\
+examples:
+  spanwarm plan ./ckpt --world 8 --local-world 4 --place 'experts=Shard(0)'
+  spanwarm plan ./ckpt --world 16 --local-world 8 --mesh 4x4 --node 1 \\
+      --place 'gate_up_proj=[_StridedShard(0,sf=4),Shard(0)]' --place 'down_proj=[Replicate(),Shard(1)]'
+"""
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mesh {text!r} is not like 4 or 2x4") from None
+    if not dims or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"mesh {text!r} has a dim below 1")
+    return dims
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _rule(text: str) -> PlacementRule:
+    try:
+        return PlacementRule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "plan",
+        help="what-if: which bytes one node warms for a checkpoint and placements",
+        description=(
+            "Which bytes node N warms if CHECKPOINT is loaded by W ranks, L per node. Ranks map "
+            "to mesh coordinates in row-major order; node N holds ranks N*L .. N*L+L-1. A tensor "
+            "takes the placements of the first --place whose regex it matches (re.search) and is "
+            "replicated otherwise."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="directory (index.json or *.safetensors), or one file")
+    parser.add_argument("--world", type=int, required=True, metavar="W", help="ranks in the job")
+    parser.add_argument(
+        "--local-world", type=int, required=True, metavar="L", help="ranks per node"
+    )
+    parser.add_argument("--node", type=int, default=0, metavar="N", help="node to plan (default 0)")
+    parser.add_argument(
+        "--mesh", type=_mesh, metavar="AxB", help="device mesh shape (default: W, one dim)"
+    )
+    parser.add_argument(
+        "--place",
+        type=_rule,
+        action="append",
+        default=[],
+        metavar="REGEX=PLACEMENTS",
+        help="placements per mesh dim for matching tensors, e.g. 'proj=[Shard(0),Shard(1)]'",
+    )
+    parser.add_argument(
+        "--seek-cost",
+        type=_size,
+        default=DEFAULT_SEEK_COST,
+        metavar="SIZE",
+        help="price of one seek in bytes (default 12MiB; measure with `spanwarm calibrate`)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        checkpoint = open_checkpoint(args.checkpoint)
+        plan = plan_node(
+            checkpoint,
+            world=args.world,
+            local_world=args.local_world,
+            node=args.node,
+            mesh_shape=args.mesh,
+            rules=args.place,
+            seek_cost=args.seek_cost,
+        )
+    except ValueError as exc:
+        print(f"spanwarm plan: error: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as exc:
+        print(f"spanwarm plan: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(plan.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        print(render(plan))
+    return 0
+
+
+def render(plan: NodePlan) -> str:
+    """The plan as a table for people."""
+    header = ("file", "size", "needed", "runs", "cost", "decision", "warm")
+    rows = [
+        (
+            os.path.basename(f.path),
+            format_bytes(f.size_bytes),
+            format_bytes(f.needed_bytes),
+            str(f.num_runs),
+            format_bytes(f.cost_bytes),
+            f.decision,
+            format_bytes(f.warm_bytes),
+        )
+        for f in plan.files
+    ]
+    total_size = sum(f.size_bytes for f in plan.files)
+    rows.append(
+        ("total", format_bytes(total_size), format_bytes(plan.needed_bytes), "", "", "",
+         format_bytes(plan.warm_bytes))
+    )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"node {plan.node}: ranks {plan.ranks[0]}..{plan.ranks[-1]}, "
+        f"seek cost {format_bytes(plan.seek_cost_bytes)}",
+        "",
+    ]
+    for i, row in enumerate([header, *rows]):
+        if i == len(rows):
+            lines.append("  ".join("-" * w for w in widths))
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""The spanwarm exception tree.
+
+Bad arguments raise ``ValueError``/``TypeError``. Everything that goes wrong at run time
+with a file or a checkpoint raises one of these, each naming the file, the byte offset
+where it applies, and the cause, so that callers never parse messages::
+
+    SpanwarmError
+    └── CheckpointError                 .path, .offset
+        ├── NotARegularFileError        a FIFO, device or directory where a file belongs
+        ├── HeaderError                 a safetensors file is malformed
+        │   ├── FileTooShortError       shorter than the 8-byte length prefix
+        │   ├── HeaderTooLargeError     declared header length over 100,000,000 bytes
+        │   ├── HeaderPastEndError      declared header runs past the end of the file
+        │   ├── HeaderNotJsonError      header is not a UTF-8 JSON object (or repeats a key)
+        │   ├── UnknownDtypeError       dtype not in the format
+        │   ├── InvalidTensorInfoError  shape / data_offsets / metadata of the wrong type
+        │   ├── InvalidOffsetsError     data_offsets not starting at 0 or not contiguous
+        │   ├── TensorSizeMismatchError byte size != numel x bits / 8
+        │   └── DataSizeMismatchError   data section does not end at the end of the file
+        └── CheckpointLayoutError       a checkpoint as a whole is malformed
+            ├── IndexFormatError        model.safetensors.index.json is not a valid index
+            ├── ShardMissingError       the index names a shard that does not exist
+            ├── ShardOutsideCheckpointError  a shard path escapes the checkpoint directory
+            ├── NoShardsError           nothing to load: no index and no *.safetensors
+            └── DuplicateTensorError    one tensor stored twice with no chunk offsets
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointLayoutError",
+    "DataSizeMismatchError",
+    "DuplicateTensorError",
+    "FileTooShortError",
+    "HeaderError",
+    "HeaderNotJsonError",
+    "HeaderPastEndError",
+    "HeaderTooLargeError",
+    "IndexFormatError",
+    "InvalidOffsetsError",
+    "InvalidTensorInfoError",
+    "NoShardsError",
+    "NotARegularFileError",
+    "ShardMissingError",
+    "ShardOutsideCheckpointError",
+    "SpanwarmError",
+    "TensorSizeMismatchError",
+    "UnknownDtypeError",
+]
+
+
+class SpanwarmError(Exception):
+    """Base of every runtime error spanwarm raises."""
+
+
+class CheckpointError(SpanwarmError):
+    """A checkpoint file or directory cannot be used as it is.
+
+    ``path`` is the offending file (or directory); ``offset`` the file offset the
+    problem was found at, when one applies.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], cause: str, *, offset: int | None = None):
+        self.path = os.fspath(path)
+        self.offset = offset
+        self.cause = cause
+        where = f" (at offset {offset})" if offset is not None else ""
+        super().__init__(f"{self.path}: {cause}{where}")
+
+
+class NotARegularFileError(CheckpointError):
+    """The path names a FIFO, device, socket or directory, not a regular file."""
+
+
+class HeaderError(CheckpointError):
+    """A safetensors file's header or layout breaks the format."""
+
+
+class FileTooShortError(HeaderError):
+    """The file is shorter than the 8-byte header-length prefix."""
+
+
+class HeaderTooLargeError(HeaderError):
+    """The declared header length exceeds the format's 100,000,000-byte limit."""
+
+
+class HeaderPastEndError(HeaderError):
+    """The declared header extends past the end of the file."""
+
+
+class HeaderNotJsonError(HeaderError):
+    """The header is not UTF-8, not JSON, not a JSON object, or repeats a key."""
+
+
+class UnknownDtypeError(HeaderError):
+    """A tensor's dtype is not one the safetensors format defines."""
+
+
+class InvalidTensorInfoError(HeaderError):
+    """A tensor entry (or ``__metadata__``) has fields of the wrong type or shape."""
+
+
+class InvalidOffsetsError(HeaderError):
+    """Tensor data does not start at 0 or leaves a hole or an overlap between tensors."""
+
+
+class TensorSizeMismatchError(HeaderError):
+    """A tensor's byte size differs from numel x bits / 8 (or is not whole bytes)."""
+
+
+class DataSizeMismatchError(HeaderError):
+    """The data section does not end exactly at the end of the file."""
+
+
+class CheckpointLayoutError(CheckpointError):
+    """A checkpoint directory or index is malformed as a whole."""
+
+
+class IndexFormatError(CheckpointLayoutError):
+    """``model.safetensors.index.json`` is not a valid index."""
+
+
+class ShardMissingError(CheckpointLayoutError):
+    """The index names a shard file that does not exist."""
+
+
+class ShardOutsideCheckpointError(CheckpointLayoutError):
+    """A shard path is absolute, climbs out with ``..``, or is a symlink leading outside."""
+
+
+class NoShardsError(CheckpointLayoutError):
+    """A checkpoint directory holds neither an index nor any ``*.safetensors`` file."""
+
+
+class DuplicateTensorError(CheckpointLayoutError):
+    """Two files store the same tensor name and neither records chunk offsets."""

@@ -136,6 +136,16 @@ def local_index_runs(
 
     A dim with no indices (an empty shard) makes the whole local tensor empty.
     """
+    return _local_index_runs(tuple(shape), tuple(mesh_shape), tuple(coordinate), tuple(placements))
+
+
+@lru_cache(maxsize=65536)
+def _local_index_runs(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[Placement, ...],
+) -> tuple[IndexRuns, ...]:
     ndim = len(shape)
     if not len(mesh_shape) == len(coordinate) == len(placements):
         raise ValueError(

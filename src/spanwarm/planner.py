@@ -22,6 +22,8 @@ from spanwarm.placements import (
     IndexRuns,
     Placement,
     Replicate,
+    Shard,
+    StridedShard,
     local_index_runs,
     parse_placements,
 )
@@ -129,12 +131,15 @@ def plan_node(
     coordinates = [tuple(int(c) for c in np.unravel_index(r, mesh)) for r in ranks]
 
     columns: dict[str, list[tuple[int, int, int, int]]] = {h.path: [] for h in checkpoint.headers}
+    distinct: dict[tuple[Placement, ...], set[tuple[int, ...]]] = {}
     for name, pieces in checkpoint.pieces.items():
         placements = _placements_for(name, rules, len(mesh))
+        if placements not in distinct:
+            distinct[placements] = _distinct_coordinates(coordinates, placements)
         shape = global_shape(pieces)
         try:
             needed: set[tuple[IndexRuns, ...]] = {
-                local_index_runs(shape, mesh, coord, placements) for coord in coordinates
+                local_index_runs(shape, mesh, coord, placements) for coord in distinct[placements]
             }
         except ValueError as exc:
             raise ValueError(f"tensor {name!r} of shape {list(shape)}: {exc}") from exc
@@ -147,6 +152,14 @@ def plan_node(
                 )
     tables = {path: _table(rows) for path, rows in columns.items()}
     return NodePlan(node, ranks, seek_cost, plan_files(checkpoint.headers, tables, seek_cost))
+
+
+def _distinct_coordinates(
+    coordinates: Iterable[tuple[int, ...]], placements: tuple[Placement, ...]
+) -> set[tuple[int, ...]]:
+    """Coordinates that can hold different indices: those on replicating mesh dims don't matter."""
+    sharding = [isinstance(p, Shard | StridedShard) for p in placements]
+    return {tuple(c if s else 0 for c, s in zip(coord, sharding, strict=True)) for coord in coordinates}
 
 
 def _table(rows: list[tuple[int, int, int, int]]) -> SpanTable:

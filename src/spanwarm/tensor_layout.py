@@ -156,18 +156,22 @@ def stored_tensor_spans(
 
 def piece_spans(info: TensorInfo, needed: Sequence[IndexRuns] | None) -> RelativeSpans:
     """Spans of one stored piece as (offset from its first byte, length, stride, count)."""
-    shape = info.shape
+    if needed is not None and len(needed) != len(info.shape):
+        raise ValueError(
+            f"tensor {info.name!r}: {len(needed)} dims of index runs for shape {list(info.shape)}"
+        )
+    return _piece_spans(info.shape, info.bits, info.global_offset, None if needed is None else tuple(needed))
+
+
+@lru_cache(maxsize=65536)
+def _piece_spans(
+    shape: tuple[int, ...], bits: int, offset: tuple[int, ...], needed: tuple[IndexRuns, ...] | None
+) -> RelativeSpans:
     if needed is None:
         runs = tuple(((0, size),) if size else () for size in shape)
     else:
-        if len(needed) != len(shape):
-            raise ValueError(
-                f"tensor {info.name!r}: {len(needed)} dims of index runs for shape {list(shape)}"
-            )
-        runs = tuple(
-            clip_runs(r, o, s) for r, o, s in zip(needed, info.global_offset, shape, strict=True)
-        )
-    return _relative_spans(shape, info.bits, runs)
+        runs = tuple(clip_runs(r, o, s) for r, o, s in zip(needed, offset, shape, strict=True))
+    return _relative_spans(shape, bits, runs)
 
 
 def global_shape(pieces: Sequence[tuple[Header, TensorInfo]]) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from spanwarm import placements, tensor_layout
@@ -53,8 +54,12 @@ ROWWISE = r"(o|down)_proj"
 
 def clear_layout_caches() -> None:
     """Forget memoised index runs and spans: each timed run starts as a fresh load would."""
-    for cached in (placements._dim_runs, placements._local_index_runs, tensor_layout._piece_spans,
-                   tensor_layout._relative_spans):
+    for cached in (
+        placements._dim_runs,
+        placements._local_index_runs,
+        tensor_layout._piece_spans,
+        tensor_layout._relative_spans,
+    ):
         cached.cache_clear()
 
 
@@ -71,7 +76,9 @@ def timed(fn: Callable[[], object], repeat: int) -> list[float]:
 
 def report(label: str, times: list[float]) -> None:
     ms = [t * 1000 for t in times]
-    print(f"| {label} | {statistics.median(ms):.1f} ms | {min(ms):.1f}-{max(ms):.1f} ms | {len(ms)} |")
+    print(
+        f"| {label} | {statistics.median(ms):.1f} ms | {min(ms):.1f}-{max(ms):.1f} ms | {len(ms)} |"
+    )
 
 
 def bench_rank_spans(directory: Path, repeat: int) -> None:
@@ -89,35 +96,75 @@ def bench_rank_spans(directory: Path, repeat: int) -> None:
     mesh = init_device_mesh("cpu", (2, 4))  # FSDP x TP
     state = {}
     for name, t in tensors.items():
-        tp = Shard(0) if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate", "up_proj")) else Shard(1)
+        tp = (
+            Shard(0)
+            if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate", "up_proj"))
+            else Shard(1)
+        )
         meta = torch.empty(t.shape, dtype=torch.bfloat16, device="meta")
         state[name] = distribute_tensor(meta, mesh, [Shard(0), tp], src_data_rank=None)
     spans = rank_spans(state, directory)
-    report(f"rank_spans: 1,000 tensors, mesh 2x4, {len(spans)} spans", timed(lambda: rank_spans(state, directory), repeat))
+    report(
+        f"rank_spans: 1,000 tensors, mesh 2x4, {len(spans)} spans",
+        timed(lambda: rank_spans(state, directory), repeat),
+    )
     dist.destroy_process_group()
 
 
 def bench_plan(directory: Path, repeat: int) -> None:
     write_sharded_checkpoint(directory, dense_model(2000), shard_bytes=5 << 30)
     checkpoint = open_checkpoint(directory)
-    rules = [PlacementRule.parse(f"{COLWISE}=[Shard(0),Shard(0)]"), PlacementRule.parse(f"{ROWWISE}=[Shard(0),Shard(1)]")]
+    rules = [
+        PlacementRule.parse(f"{COLWISE}=[Shard(0),Shard(0)]"),
+        PlacementRule.parse(f"{ROWWISE}=[Shard(0),Shard(1)]"),
+    ]
     for local_world in (8, 64):
         report(
             f"plan_node: 64 ranks (8x8 mesh), {local_world} per node, 2,000 tensors",
-            timed(lambda lw=local_world: plan_node(checkpoint, world=64, local_world=lw, mesh_shape=(8, 8), rules=rules), repeat),
+            timed(
+                partial(
+                    plan_node,
+                    checkpoint,
+                    world=64,
+                    local_world=local_world,
+                    mesh_shape=(8, 8),
+                    rules=rules,
+                ),
+                repeat,
+            ),
         )
     for local_world in (8, 64):
         command = [
-            sys.executable, "-m", "spanwarm", "plan", str(directory), "--world", "64",
-            "--local-world", str(local_world), "--mesh", "8x8", "--place", f"{COLWISE}=[Shard(0),Shard(0)]",
-            "--place", f"{ROWWISE}=[Shard(0),Shard(1)]", "--json",
+            sys.executable,
+            "-m",
+            "spanwarm",
+            "plan",
+            str(directory),
+            "--world",
+            "64",
+            "--local-world",
+            str(local_world),
+            "--mesh",
+            "8x8",
+            "--place",
+            f"{COLWISE}=[Shard(0),Shard(0)]",
+            "--place",
+            f"{ROWWISE}=[Shard(0),Shard(1)]",
+            "--json",
         ]
-        report(f"`spanwarm plan` command, 64 ranks, {local_world} per node (process start included)",
-               timed(lambda c=command: subprocess.run(c, check=True, capture_output=True), max(3, repeat // 3)))
+        report(
+            f"`spanwarm plan` command, 64 ranks, {local_world} per node (process start included)",
+            timed(
+                partial(subprocess.run, command, check=True, capture_output=True),
+                max(3, repeat // 3),
+            ),
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
     print("| what | median | min-max | runs |\n| --- | --- | --- | --- |")

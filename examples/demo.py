@@ -28,13 +28,19 @@ RULES = [
 
 
 def moe_checkpoint(directory: Path) -> None:
-    tensors: dict[str, SparseTensor] = {"model.embed_tokens.weight": SparseTensor("BF16", (VOCAB, HIDDEN))}
+    tensors: dict[str, SparseTensor] = {
+        "model.embed_tokens.weight": SparseTensor("BF16", (VOCAB, HIDDEN))
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             tensors[f"{p}.self_attn.{proj}.weight"] = SparseTensor("BF16", (HIDDEN, HIDDEN))
-        tensors[f"{p}.mlp.experts.gate_up_proj"] = SparseTensor("BF16", (EXPERTS, 2 * INTERMEDIATE, HIDDEN))
-        tensors[f"{p}.mlp.experts.down_proj"] = SparseTensor("BF16", (EXPERTS, HIDDEN, INTERMEDIATE))
+        tensors[f"{p}.mlp.experts.gate_up_proj"] = SparseTensor(
+            "BF16", (EXPERTS, 2 * INTERMEDIATE, HIDDEN)
+        )
+        tensors[f"{p}.mlp.experts.down_proj"] = SparseTensor(
+            "BF16", (EXPERTS, HIDDEN, INTERMEDIATE)
+        )
         tensors[f"{p}.mlp.gate.weight"] = SparseTensor("BF16", (EXPERTS, HIDDEN))
         tensors[f"{p}.input_layernorm.weight"] = SparseTensor("BF16", (HIDDEN,))
     tensors["model.norm.weight"] = SparseTensor("BF16", (HIDDEN,))

@@ -64,7 +64,9 @@ def plan_file(
     if seek_cost < 0:
         raise ValueError(f"seek cost must be >= 0 bytes, got {seek_cost}")
     if header_bytes and len(spans):
-        spans = SpanTable.concat([spans, SpanTable.of([StridedSpan(0, header_bytes, header_bytes, 1)])])
+        spans = SpanTable.concat(
+            [spans, SpanTable.of([StridedSpan(0, header_bytes, header_bytes, 1)])]
+        )
     runs = spans.runs(gap=seek_cost)
     cost = runs.nbytes + len(runs) * seek_cost
     needed = spans.covered_bytes()

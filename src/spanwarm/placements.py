@@ -153,7 +153,9 @@ def _local_index_runs(
             f"{len(placements)} placements must have one entry per mesh dim"
         )
     steps: list[list[tuple[int, int, int]]] = [[] for _ in range(ndim)]
-    for mesh_dim, (placement, k, r) in enumerate(zip(placements, mesh_shape, coordinate, strict=True)):
+    for mesh_dim, (placement, k, r) in enumerate(
+        zip(placements, mesh_shape, coordinate, strict=True)
+    ):
         if not 0 <= r < k:
             raise ValueError(f"coordinate {r} is outside mesh dim {mesh_dim} of size {k}")
         if isinstance(placement, Replicate | Partial):

@@ -33,7 +33,9 @@ from spanwarm.tensor_layout import global_shape, piece_spans
 
 __all__ = ["NodePlan", "PlacementRule", "plan_files", "plan_node"]
 
-_RULE = re.compile(r"(?P<pattern>.+?)=(?P<placements>\[?\s*(?:_?StridedShard|Shard|Replicate|Partial)\(.*)")
+_RULE = re.compile(
+    r"(?P<pattern>.+?)=(?P<placements>\[?\s*(?:_?StridedShard|Shard|Replicate|Partial)\(.*)"
+)
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,16 @@ def plan_files(
     """Plan every file; a file with no spans is listed with nothing to warm."""
     empty = SpanTable.of(())
     return tuple(
-        plan_file(h.path, h.file_size, spans.get(h.path, empty), seek_cost, header_bytes=h.data_start)
+        plan_file(
+            h.path, h.file_size, spans.get(h.path, empty), seek_cost, header_bytes=h.data_start
+        )
         for h in headers
     )
 
 
-def _placements_for(name: str, rules: Sequence[PlacementRule], mesh_dims: int) -> tuple[Placement, ...]:
+def _placements_for(
+    name: str, rules: Sequence[PlacementRule], mesh_dims: int
+) -> tuple[Placement, ...]:
     for rule in rules:
         if rule.pattern.search(name):
             return rule.placements
@@ -114,7 +120,9 @@ def plan_node(
     mesh = tuple(mesh_shape) if mesh_shape is not None else (world,)
     rules = tuple(rules)
     if world < 1 or local_world < 1 or world % local_world:
-        raise ValueError(f"--world {world} must be a positive multiple of --local-world {local_world}")
+        raise ValueError(
+            f"--world {world} must be a positive multiple of --local-world {local_world}"
+        )
     if not 0 <= node < world // local_world:
         raise ValueError(f"--node {node} is outside 0..{world // local_world - 1}")
     if prod(mesh) != world or any(k < 1 for k in mesh):
@@ -159,7 +167,9 @@ def _distinct_coordinates(
 ) -> set[tuple[int, ...]]:
     """Coordinates that can hold different indices: those on replicating mesh dims don't matter."""
     sharding = [isinstance(p, Shard | StridedShard) for p in placements]
-    return {tuple(c if s else 0 for c, s in zip(coord, sharding, strict=True)) for coord in coordinates}
+    return {
+        tuple(c if s else 0 for c, s in zip(coord, sharding, strict=True)) for coord in coordinates
+    }
 
 
 def _table(rows: list[tuple[int, int, int, int]]) -> SpanTable:

@@ -217,7 +217,9 @@ def _validate_layout(path: str, tensors: list[TensorInfo], data_start: int, size
     for t in tensors:
         at = data_start + t.begin
         if t.begin != expected:
-            what = "does not start at 0" if expected == 0 else f"leaves a gap or overlap at {expected}"
+            what = (
+                "does not start at 0" if expected == 0 else f"leaves a gap or overlap at {expected}"
+            )
             raise InvalidOffsetsError(path, f"tensor {t.name!r}: data {what}", offset=at)
         bits = prod(t.shape) * t.bits
         if bits % 8 or t.nbytes != bits // 8:
@@ -256,9 +258,13 @@ def _parse_header(path: str, fd: int, size: int) -> Header:
         text = raw.decode("utf-8")
         header = json.loads(text, object_pairs_hook=lambda p: _reject_duplicate_keys(path, p))
     except UnicodeDecodeError as exc:
-        raise HeaderNotJsonError(path, f"header is not UTF-8: {exc.reason}", offset=8 + exc.start) from exc
+        raise HeaderNotJsonError(
+            path, f"header is not UTF-8: {exc.reason}", offset=8 + exc.start
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise HeaderNotJsonError(path, f"header is not JSON: {exc.msg}", offset=8 + exc.pos) from exc
+        raise HeaderNotJsonError(
+            path, f"header is not JSON: {exc.msg}", offset=8 + exc.pos
+        ) from exc
     if not isinstance(header, dict):
         raise HeaderNotJsonError(path, "header is not a JSON object", offset=8)
     data_start = 8 + length
@@ -356,10 +362,14 @@ def read_index(index: str | os.PathLike[str]) -> list[str]:
     for value in weight_map.values():
         if not isinstance(value, str) or not value:
             raise IndexFormatError(index_path, f"weight_map value {value!r} is not a file name")
-    return [_shard_path(root, real_root, index_path, name) for name in sorted(set(weight_map.values()))]
+    return [
+        _shard_path(root, real_root, index_path, name) for name in sorted(set(weight_map.values()))
+    ]
 
 
-def checkpoint_files(checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+def checkpoint_files(
+    checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> list[str]:
     """The safetensors files of a checkpoint: a directory, one file, or a list of files.
 
     A directory is read through its ``model.safetensors.index.json`` when it has one,

@@ -18,7 +18,12 @@ from pathlib import Path
 
 from spanwarm.safetensors_header import DTYPE_BITS, INDEX_FILE
 
-__all__ = ["SparseTensor", "seed_repro_checkpoints", "write_safetensors", "write_sharded_checkpoint"]
+__all__ = [
+    "SparseTensor",
+    "seed_repro_checkpoints",
+    "write_safetensors",
+    "write_sharded_checkpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,11 @@ def write_safetensors(
     offset = 0
     for name in order:
         dtype, shape, nbytes = _layout(tensors[name])
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -109,7 +118,9 @@ def seed_repro_checkpoints(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     packed = {
-        f"model.layers.{i}.mlp.experts.gate_up_proj": SparseTensor("BF16", (experts, hidden, hidden))
+        f"model.layers.{i}.mlp.experts.gate_up_proj": SparseTensor(
+            "BF16", (experts, hidden, hidden)
+        )
         for i in range(layers)
     }
     per_expert = {

@@ -45,7 +45,11 @@ class StridedSpan:
     @property
     def end(self) -> int:
         """One past the last byte of the last row."""
-        return self.offset + (self.count - 1) * self.stride + self.length if self.count else self.offset
+        return (
+            self.offset + (self.count - 1) * self.stride + self.length
+            if self.count
+            else self.offset
+        )
 
     def intervals(self) -> list[tuple[int, int]]:
         """The rows as ``(start, stop)`` pairs."""
@@ -191,9 +195,7 @@ class SpanTable:
         rows_starts, rows_stops = strided.select(~bridged).expand()
         return merge_intervals(
             np.concatenate([plain.starts, strided.offset[bridged], rows_starts]),
-            np.concatenate(
-                [plain.stops, strided.select(bridged).envelope_stops(), rows_stops]
-            ),
+            np.concatenate([plain.stops, strided.select(bridged).envelope_stops(), rows_stops]),
             gap,
         )
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from spanwarm.placements import IndexRuns
-from spanwarm.safetensors_header import DTYPE_BITS, Header, TensorInfo
+from spanwarm.safetensors_header import Header, TensorInfo
 from spanwarm.spans import StridedSpan
 
 __all__ = [
@@ -63,7 +63,9 @@ def _indices(runs: IndexRuns) -> range | itertools.chain[int]:
 
 
 @lru_cache(maxsize=65536)
-def _relative_spans(shape: tuple[int, ...], bits: int, runs: tuple[IndexRuns, ...]) -> RelativeSpans:
+def _relative_spans(
+    shape: tuple[int, ...], bits: int, runs: tuple[IndexRuns, ...]
+) -> RelativeSpans:
     """Spans as (byte offset from the tensor's first byte, length, stride, count)."""
     if any(not r for r in runs) or any(size == 0 for size in shape):
         return ()
@@ -91,7 +93,9 @@ def _relative_spans(shape: tuple[int, ...], bits: int, runs: tuple[IndexRuns, ..
         if (stride * bits) % 8 == 0 or count == 1:
             start = first * bits // 8
             stop = -(-(first + elements) * bits // 8)
-            out.append((start, stop - start, stride * bits // 8 if count > 1 else stop - start, count))
+            out.append(
+                (start, stop - start, stride * bits // 8 if count > 1 else stop - start, count)
+            )
             continue
         for row in range(count):  # rows not byte-aligned: round each one outward
             row_first = first + row * stride
@@ -160,13 +164,16 @@ def piece_spans(info: TensorInfo, needed: Sequence[IndexRuns] | None) -> Relativ
         raise ValueError(
             f"tensor {info.name!r}: {len(needed)} dims of index runs for shape {list(info.shape)}"
         )
-    return _piece_spans(info.shape, info.bits, info.global_offset, None if needed is None else tuple(needed))
+    return _piece_spans(
+        info.shape, info.bits, info.global_offset, None if needed is None else tuple(needed)
+    )
 
 
 @lru_cache(maxsize=65536)
 def _piece_spans(
     shape: tuple[int, ...], bits: int, offset: tuple[int, ...], needed: tuple[IndexRuns, ...] | None
 ) -> RelativeSpans:
+    runs: tuple[IndexRuns, ...]
     if needed is None:
         runs = tuple(((0, size),) if size else () for size in shape)
     else:
@@ -176,5 +183,7 @@ def _piece_spans(
 
 def global_shape(pieces: Sequence[tuple[Header, TensorInfo]]) -> tuple[int, ...]:
     """The global shape covered by a tensor's stored pieces (one full tensor: its shape)."""
-    shapes = [tuple(o + s for o, s in zip(t.global_offset, t.shape, strict=True)) for _, t in pieces]
+    shapes = [
+        tuple(o + s for o, s in zip(t.global_offset, t.shape, strict=True)) for _, t in pieces
+    ]
     return tuple(max(dims) for dims in zip(*shapes, strict=True)) if shapes[0] else ()

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from spanwarm.client import rank_spans
 
-PLACEMENTS = {
+PLACEMENTS: dict[str, list[Placement]] = {
     "w_rowwise": [_StridedShard(0, split_factor=2), Shard(0)],
     "w_colwise": [Replicate(), Shard(1)],
     "w_mixed": [Shard(0), Shard(1)],
@@ -31,10 +31,14 @@ def main(checkpoint: Path, out: Path) -> None:
     result = {}
     for name, placements in PLACEMENTS.items():
         dtensor = distribute_tensor(weights[name], mesh, placements)  # scattered from rank 0
-        spans = [s for s in rank_spans({name: dtensor}, checkpoint, unmatched="skip")]
+        spans = rank_spans({name: dtensor}, checkpoint, unmatched="skip")
         positions = sorted({b for s in spans for a, e in s.span.intervals() for b in range(a, e)})
         local = dtensor.to_local().contiguous().view(torch.uint8).numpy().tobytes()
-        result[name] = {"equal": raw[positions].tobytes() == local, "bytes": len(positions), "spans": len(spans)}
+        result[name] = {
+            "equal": raw[positions].tobytes() == local,
+            "bytes": len(positions),
+            "spans": len(spans),
+        }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

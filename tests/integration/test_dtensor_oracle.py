@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,9 @@ def fits(shape: tuple[int, ...], placements: list[Placement]) -> bool:
     return all(-len(shape) <= p.dim < len(shape) for p in placements if isinstance(p, Shard | SS))
 
 
-def cases(mesh_shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype, list[Placement]]]:
+def cases(
+    mesh_shape: tuple[int, ...],
+) -> list[tuple[str, tuple[int, ...], Any, list[Placement]]]:
     out = []
     combos = [(s, p) for s, p in itertools.product(SHAPES, MESHES[mesh_shape]) if fits(s, p)]
     for i, (shape, placements) in enumerate(combos):
@@ -97,7 +100,7 @@ def to_model(placements: list[Placement]) -> list[model.Placement]:
     out: list[model.Placement] = []
     for p in placements:
         if isinstance(p, SS):
-            out.append(model.StridedShard(p.dim, p.split_factor))
+            out.append(model.StridedShard(p.dim, int(p.split_factor)))
         elif isinstance(p, Shard):
             out.append(model.Shard(p.dim))
         else:
@@ -105,7 +108,9 @@ def to_model(placements: list[Placement]) -> list[model.Placement]:
     return out
 
 
-def held_elements(shape: tuple[int, ...], mesh: DeviceMesh, placements: list[Placement]) -> np.ndarray:
+def held_elements(
+    shape: tuple[int, ...], mesh: DeviceMesh, placements: list[Placement]
+) -> np.ndarray:
     numel = int(np.prod(shape))
     full = torch.arange(numel, dtype=torch.int64).reshape(shape)
     local = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
@@ -117,7 +122,9 @@ def named_bytes(spans: list) -> set[int]:  # type: ignore[type-arg]
 
 
 @pytest.mark.parametrize("mesh_shape", list(MESHES), ids=lambda m: "x".join(map(str, m)))
-def test_rank_spans_name_exactly_the_held_bytes(tmp_path: Path, mesh_shape: tuple[int, ...]) -> None:
+def test_rank_spans_name_exactly_the_held_bytes(
+    tmp_path: Path, mesh_shape: tuple[int, ...]
+) -> None:
     todo = cases(mesh_shape)
     path = tmp_path / "ckpt.safetensors"
     save_file({name: torch.zeros(shape, dtype=dtype) for name, shape, dtype, _ in todo}, str(path))
@@ -139,13 +146,18 @@ def test_rank_spans_name_exactly_the_held_bytes(tmp_path: Path, mesh_shape: tupl
                 if held.size:
                     per_dim = np.unravel_index(held, shape)
                     for d, indices in enumerate(per_dim):
-                        assert sorted(set(indices.tolist())) == [i for a, b in runs[d] for i in range(a, b)], label
+                        assert sorted(set(indices.tolist())) == [
+                            i for a, b in runs[d] for i in range(a, b)
+                        ], label
                 else:
                     assert any(not r for r in runs), label
 
                 # rank_spans names exactly the bytes of the held elements.
                 meta = distribute_tensor(
-                    torch.empty(shape, dtype=dtype, device="meta"), mesh, placements, src_data_rank=None
+                    torch.empty(shape, dtype=dtype, device="meta"),
+                    mesh,
+                    placements,
+                    src_data_rank=None,
                 )
                 spans = rank_spans({name: meta}, path, unmatched="skip")
                 assert all(s.tensor == name and s.path == str(path) for s in spans)
@@ -163,14 +175,28 @@ def test_bytes_read_through_spans_equal_the_local_tensor(tmp_path: Path) -> None
     weight = torch.randn(24, 40, generator=gen).to(torch.bfloat16)
     save_file({"w": weight}, str(path))
     raw = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-    for placements in ([Shard(1), Shard(0)], [SS(0, split_factor=4), Shard(0)], [Shard(0), SS(1, split_factor=2)]):
+    for placements in (
+        [Shard(1), Shard(0)],
+        [SS(0, split_factor=4), Shard(0)],
+        [Shard(0), SS(1, split_factor=2)],
+    ):
         for rank in range(4):
             with fake_rank(rank, 4):
                 mesh = init_device_mesh("cpu", (2, 2))
                 local = distribute_tensor(weight, mesh, placements, src_data_rank=None).to_local()
-                positions = sorted(named_bytes(rank_spans({"w": distribute_tensor(weight, mesh, placements, src_data_rank=None)}, path)))
+                positions = sorted(
+                    named_bytes(
+                        rank_spans(
+                            {"w": distribute_tensor(weight, mesh, placements, src_data_rank=None)},
+                            path,
+                        )
+                    )
+                )
                 got = raw[positions].tobytes()
-                assert got == local.contiguous().view(torch.uint8).numpy().tobytes(), (placements, rank)
+                assert got == local.contiguous().view(torch.uint8).numpy().tobytes(), (
+                    placements,
+                    rank,
+                )
 
 
 def test_rank_outside_the_mesh_needs_nothing(tmp_path: Path) -> None:
@@ -179,5 +205,7 @@ def test_rank_outside_the_mesh_needs_nothing(tmp_path: Path) -> None:
     with fake_rank(3, 4):
         sub_mesh = DeviceMesh("cpu", [0, 1])  # ranks 0 and 1 only; rank 3 is outside
         assert sub_mesh.get_coordinate() is None
-        meta = distribute_tensor(torch.empty(8, 4, device="meta"), sub_mesh, [Shard(0)], src_data_rank=None)
+        meta = distribute_tensor(
+            torch.empty(8, 4, device="meta"), sub_mesh, [Shard(0)], src_data_rank=None
+        )
         assert rank_spans({"experts": meta}, path) == []

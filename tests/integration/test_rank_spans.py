@@ -64,12 +64,16 @@ def test_missing_keys_give_one_warning(tmp_path: Path, caplog: pytest.LogCapture
 def test_key_map_renames_and_drops(tmp_path: Path, rank1_of_4) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "m.safetensors"
     save_file({"model.w": torch.zeros(8, 2), "model.skip": torch.zeros(2)}, str(path))
-    meta = distribute_tensor(torch.empty(8, 2, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None)
+    meta = distribute_tensor(
+        torch.empty(8, 2, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None
+    )
     offset, _ = whole(path, "model.w")
     key_map = {"model.w": "w", "model.skip": None}
     spans = rank_spans({"w": meta}, path, key_map=key_map, unmatched="skip")
     assert spans == [TensorSpans("model.w", str(path), offset + 2 * 2 * 4, 16, 16, 1)]
-    same = rank_spans({"w": meta}, path, key_map=lambda k: {"model.w": "w"}.get(k), unmatched="skip")
+    same = rank_spans(
+        {"w": meta}, path, key_map=lambda k: {"model.w": "w"}.get(k), unmatched="skip"
+    )
     assert same == spans
     # Mapped to None is unmatched: read whole by default, like any unmatched tensor.
     skip_offset, skip_bytes = whole(path, "model.skip")
@@ -81,7 +85,9 @@ def test_key_map_renames_and_drops(tmp_path: Path, rank1_of_4) -> None:  # type:
 def test_shape_mismatch_falls_back_to_the_whole_tensor(tmp_path: Path, rank1_of_4) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(8, 2)}, str(path))
-    meta = distribute_tensor(torch.empty(4, 4, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None)
+    meta = distribute_tensor(
+        torch.empty(4, 4, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None
+    )
     offset, nbytes = whole(path, "w")
     assert [(s.offset, s.length) for s in rank_spans({"w": meta}, path)] == [(offset, nbytes)]
 
@@ -91,7 +97,12 @@ def test_directory_index_and_file_list(tmp_path: Path, rank1_of_4) -> None:  # t
     paths = write_sharded_checkpoint(tmp_path / "ckpt", tensors, shard_bytes=2 * 64 * 32 * 2)
     assert len(paths) == 2
     state = {
-        name: distribute_tensor(torch.empty(64, 32, dtype=torch.bfloat16, device="meta"), rank1_of_4, [Shard(1)], src_data_rank=None)
+        name: distribute_tensor(
+            torch.empty(64, 32, dtype=torch.bfloat16, device="meta"),
+            rank1_of_4,
+            [Shard(1)],
+            src_data_rank=None,
+        )
         for name in tensors
     }
     from_dir = rank_spans(state, tmp_path / "ckpt")
@@ -110,10 +121,17 @@ def test_dcp_chunks_are_intersected_with_the_rank_slice(tmp_path: Path, rank1_of
             {"w": ("U8", (4, 4), bytes(range(16 * i, 16 * i + 16)))},
             metadata={"DCP_SHARDING_INFO": info},
         )
-    meta = distribute_tensor(torch.empty(8, 4, dtype=torch.uint8, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None)
+    meta = distribute_tensor(
+        torch.empty(8, 4, dtype=torch.uint8, device="meta"),
+        rank1_of_4,
+        [Shard(0)],
+        src_data_rank=None,
+    )
     spans = rank_spans({"w": meta}, tmp_path)  # rank 1 holds global rows 2..4: file 0's rows 2..4
     assert len(spans) == 1
-    data = (tmp_path / "0.safetensors").read_bytes()[spans[0].offset : spans[0].offset + spans[0].length]
+    data = (tmp_path / "0.safetensors").read_bytes()[
+        spans[0].offset : spans[0].offset + spans[0].length
+    ]
     assert data == bytes(range(8, 16))
 
 

@@ -29,9 +29,21 @@ def test_spans_read_back_each_ranks_local_tensor(tmp_path: Path) -> None:
     torch.save(weights, checkpoint.with_suffix(".pt"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-         str(WORKER), str(checkpoint), str(tmp_path)],
-        check=True, env=env, timeout=240, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "4",
+            str(WORKER),
+            str(checkpoint),
+            str(tmp_path),
+        ],
+        check=True,
+        env=env,
+        timeout=240,
+        capture_output=True,
     )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for name, tensor in weights.items():

@@ -9,7 +9,7 @@ MiB = 2**20
 
 
 def test_default_seek_cost_is_the_seeds_12_mib() -> None:
-    assert DEFAULT_SEEK_COST == 12 * MiB
+    assert 12 * MiB == DEFAULT_SEEK_COST
 
 
 def test_spans_win_when_cheaper_than_the_whole_file() -> None:

@@ -30,18 +30,39 @@ def rows(runs: IndexRuns) -> list[int]:
 )
 def test_research_table_for_8x4_on_2x2(placements: str, expected: list[list[int]]) -> None:
     for coord, want in zip(COORDS, expected, strict=True):
-        assert rows(local_index_runs((8, 4), (2, 2), coord, parse_placements(placements))[0]) == want
+        assert (
+            rows(local_index_runs((8, 4), (2, 2), coord, parse_placements(placements))[0]) == want
+        )
 
 
 def test_strided_shard_is_not_contiguous() -> None:
-    got = [rows(local_index_runs((16, 8), (2, 2), c, parse_placements("[_StridedShard(0,sf=4),Shard(0)]"))[0]) for c in COORDS]
+    got = [
+        rows(
+            local_index_runs(
+                (16, 8), (2, 2), c, parse_placements("[_StridedShard(0,sf=4),Shard(0)]")
+            )[0]
+        )
+        for c in COORDS
+    ]
     assert got == [[0, 1, 4, 5], [8, 9, 12, 13], [2, 3, 6, 7], [10, 11, 14, 15]]
 
 
 def test_uneven_and_empty_shards_follow_torch_chunk() -> None:
-    assert [rows(local_index_runs((5,), (4,), (r,), [Shard(0)])[0]) for r in range(4)] == [[0, 1], [2, 3], [4], []]
-    assert [rows(local_index_runs((6,), (4,), (r,), [Shard(0)])[0]) for r in range(4)] == [[0, 1], [2, 3], [4, 5], []]
-    assert [rows(local_index_runs((9,), (4,), (r,), [StridedShard(0, 2)])[0]) for r in range(4)] == [
+    assert [rows(local_index_runs((5,), (4,), (r,), [Shard(0)])[0]) for r in range(4)] == [
+        [0, 1],
+        [2, 3],
+        [4],
+        [],
+    ]
+    assert [rows(local_index_runs((6,), (4,), (r,), [Shard(0)])[0]) for r in range(4)] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [],
+    ]
+    assert [
+        rows(local_index_runs((9,), (4,), (r,), [StridedShard(0, 2)])[0]) for r in range(4)
+    ] == [
         [0, 1, 5],
         [2, 3, 6],
         [4, 7],

@@ -50,7 +50,10 @@ def test_matches_the_reference_writer(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     path = tmp_path / "ref.safetensors"
-    tensors = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "v": torch.ones(5, dtype=torch.bfloat16)}
+    tensors = {
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "v": torch.ones(5, dtype=torch.bfloat16),
+    }
     save_file(tensors, str(path))
     h = read_header(path)
     raw = path.read_bytes()
@@ -69,14 +72,24 @@ def test_leading_and_trailing_whitespace_is_accepted(write_raw: WriteRaw) -> Non
 def test_every_dtype_of_the_format(write_raw: WriteRaw, dtype: str, bits: int) -> None:
     numel = 8  # whole bytes for every bit width, sub-byte ones included
     nbytes = numel * bits // 8
-    path = write_raw(f"{dtype}.safetensors", raw_safetensors({"t": entry(dtype, [2, 4], 0, nbytes)}, bytes(nbytes)))
+    path = write_raw(
+        f"{dtype}.safetensors",
+        raw_safetensors({"t": entry(dtype, [2, 4], 0, nbytes)}, bytes(nbytes)),
+    )
     assert read_header(path).tensors[0].bits == bits
 
 
 def test_f8_f6_f4_are_known() -> None:
-    assert {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F6_E2M3", "F6_E3M2", "F4"} <= set(
-        DTYPE_BITS
-    )
+    assert {
+        "F8_E4M3",
+        "F8_E5M2",
+        "F8_E8M0",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+        "F6_E2M3",
+        "F6_E3M2",
+        "F4",
+    } <= set(DTYPE_BITS)
     assert (DTYPE_BITS["F4"], DTYPE_BITS["F6_E3M2"]) == (4, 6)
 
 
@@ -99,7 +112,12 @@ INVALID: list[tuple[str, bytes, type[errors.HeaderError], str]] = [
         errors.HeaderNotJsonError,
         "repeats the key 'a'",
     ),
-    ("unknown_dtype", raw_safetensors({"t": entry("F12", [1], 0, 2)}, b"xx"), errors.UnknownDtypeError, "'F12'"),
+    (
+        "unknown_dtype",
+        raw_safetensors({"t": entry("F12", [1], 0, 2)}, b"xx"),
+        errors.UnknownDtypeError,
+        "'F12'",
+    ),
     (
         "dtype_not_string",
         raw_safetensors({"t": {"dtype": 3, "shape": [1], "data_offsets": [0, 1]}}, b"x"),
@@ -192,14 +210,18 @@ INVALID: list[tuple[str, bytes, type[errors.HeaderError], str]] = [
     ),
     (
         "bad_sharding_info",
-        raw_safetensors({"__metadata__": {"DCP_SHARDING_INFO": "{not json"}, "t": entry("U8", [1], 0, 1)}, b"x"),
+        raw_safetensors(
+            {"__metadata__": {"DCP_SHARDING_INFO": "{not json"}, "t": entry("U8", [1], 0, 1)}, b"x"
+        ),
         errors.InvalidTensorInfoError,
         "DCP_SHARDING_INFO",
     ),
 ]
 
 
-@pytest.mark.parametrize(("name", "content", "error", "fragment"), INVALID, ids=[c[0] for c in INVALID])
+@pytest.mark.parametrize(
+    ("name", "content", "error", "fragment"), INVALID, ids=[c[0] for c in INVALID]
+)
 def test_invalid_files_raise_their_own_error(
     write_raw: WriteRaw, name: str, content: bytes, error: type[errors.HeaderError], fragment: str
 ) -> None:
@@ -218,7 +240,10 @@ def test_every_header_error_type_is_exercised() -> None:
 
 
 def test_errors_name_the_offset(write_raw: WriteRaw) -> None:
-    path = write_raw("hole.safetensors", raw_safetensors({"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 3, 5)}, b"xxxxx"))
+    path = write_raw(
+        "hole.safetensors",
+        raw_safetensors({"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 3, 5)}, b"xxxxx"),
+    )
     with pytest.raises(errors.InvalidOffsetsError) as info:
         read_header(path)
     data_start = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
@@ -268,7 +293,10 @@ def test_index_lists_each_shard_once_sorted(tmp_path: Path) -> None:
     _shard(tmp_path / "b.safetensors")
     _shard(tmp_path / "a.safetensors")
     _index(tmp_path, {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"})
-    assert checkpoint_files(tmp_path) == [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    assert checkpoint_files(tmp_path) == [
+        str(tmp_path / "a.safetensors"),
+        str(tmp_path / "b.safetensors"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -284,7 +312,10 @@ def test_index_lists_each_shard_once_sorted(tmp_path: Path) -> None:
     ],
 )
 def test_index_rejects_bad_shard_names(
-    tmp_path: Path, weight_map: dict[str, object], error: type[errors.CheckpointError], fragment: str
+    tmp_path: Path,
+    weight_map: dict[str, object],
+    error: type[errors.CheckpointError],
+    fragment: str,
 ) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

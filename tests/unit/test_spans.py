@@ -49,8 +49,10 @@ def random_spans(rng: random.Random) -> list[StridedSpan]:
     ]
     if rng.random() < 0.5:  # column slices of one tensor, as TP ranks produce
         cols, base, rows_ = rng.randint(2, 9), rng.randint(0, 20), rng.randint(1, 5)
-        for a in range(0, cols, rng.randint(1, cols)):
-            spans.append(StridedSpan(base + a, min(rng.randint(1, cols), cols - a), cols, rows_))
+        spans.extend(
+            StridedSpan(base + a, min(rng.randint(1, cols), cols - a), cols, rows_)
+            for a in range(0, cols, rng.randint(1, cols))
+        )
     return spans
 
 

@@ -17,7 +17,9 @@ def byte_set(spans: list[StridedSpan]) -> set[int]:
     return {b for s in spans for a, e in s.intervals() for b in range(a, e)}
 
 
-def expected_bytes(base: int, shape: tuple[int, ...], bits: int, needed: list[IndexRuns]) -> set[int]:
+def expected_bytes(
+    base: int, shape: tuple[int, ...], bits: int, needed: list[IndexRuns]
+) -> set[int]:
     out: set[int] = set()
     for index in itertools.product(*[[i for a, b in r for i in range(a, b)] for r in needed]):
         flat = int(np.ravel_multi_index(index, shape)) if shape else 0
@@ -44,7 +46,11 @@ def test_random_boxes_match_element_bytes() -> None:
         dtype = rng.choice(list(BITS))
         base = 8 * rng.randint(0, 3)
         spans = tensor_spans(base, shape, dtype, needed)
-        assert byte_set(spans) == expected_bytes(base, shape, BITS[dtype], needed), (shape, needed, dtype)
+        assert byte_set(spans) == expected_bytes(base, shape, BITS[dtype], needed), (
+            shape,
+            needed,
+            dtype,
+        )
 
 
 def test_shard_1_slice_is_one_strided_span() -> None:

@@ -18,7 +18,8 @@ EXAMPLES = """\
 examples:
   spanwarm plan ./ckpt --world 8 --local-world 4 --place 'experts=Shard(0)'
   spanwarm plan ./ckpt --world 16 --local-world 8 --mesh 4x4 --node 1 \\
-      --place 'gate_up_proj=[_StridedShard(0,sf=4),Shard(0)]' --place 'down_proj=[Replicate(),Shard(1)]'
+      --place 'gate_up_proj=[_StridedShard(0,sf=4),Shard(0)]' \\
+      --place 'down_proj=[Replicate(),Shard(1)]'
 """
 
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 def render(plan: NodePlan) -> str:
     """The plan as a table for people."""
     header = ("file", "size", "needed", "runs", "cost", "decision", "warm")
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             os.path.basename(f.path),
             format_bytes(f.size_bytes),
@@ -130,8 +131,15 @@ def render(plan: NodePlan) -> str:
     ]
     total_size = sum(f.size_bytes for f in plan.files)
     rows.append(
-        ("total", format_bytes(total_size), format_bytes(plan.needed_bytes), "", "", "",
-         format_bytes(plan.warm_bytes))
+        (
+            "total",
+            format_bytes(total_size),
+            format_bytes(plan.needed_bytes),
+            "",
+            "",
+            "",
+            format_bytes(plan.warm_bytes),
+        )
     )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
@@ -142,6 +150,8 @@ def render(plan: NodePlan) -> str:
     for i, row in enumerate([header, *rows]):
         if i == len(rows):
             lines.append("  ".join("-" * w for w in widths))
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)

@@ -54,7 +54,7 @@ def _model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None
     out: list[Placement] = []
     for p in placements:
         if isinstance(p, _StridedShard):  # before Shard: older torch subclasses it
-            out.append(StridedShard(p.dim, p.split_factor))
+            out.append(StridedShard(p.dim, int(p.split_factor)))
         elif isinstance(p, TorchShard):
             out.append(Shard(p.dim))
         elif p.is_replicate() or p.is_partial():
@@ -66,7 +66,7 @@ def _model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None
 
 def _needed_runs(
     name: str, value: Any, stored_shape: tuple[int, ...], stored_dtype: str
-) -> tuple[IndexRuns, ...] | None | Literal[False]:
+) -> tuple[IndexRuns, ...] | Literal[False] | None:
     """Global index runs this rank reads of ``name``: None = all of it, False = none."""
     from torch.distributed.tensor import DTensor
 
@@ -125,7 +125,9 @@ def rank_spans(
 
     missing = [key for key in state_dict if key not in by_state_key]
     if missing:
-        shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        shown = ", ".join(missing[:20]) + (
+            f", ... ({len(missing)} in all)" if len(missing) > 20 else ""
+        )
         logger.warning("%d state-dict keys are not in the checkpoint: %s", len(missing), shown)
 
     out: list[TensorSpans] = []

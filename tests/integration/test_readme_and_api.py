@@ -1,0 +1,60 @@
+"""The README quick start and the public names stay what the docs say."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import spanwarm.client
+import spanwarm.errors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_start_is_exactly_two_make_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("##", 1)[0]
+    block = re.search(r"```console\n(.*?)```", section, re.S)
+    assert block is not None
+    commands = [line.split("#", 1)[0].strip() for line in block[1].splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, re.M)
+    assert re.search(r"^test:", makefile, re.M)
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
+
+
+def test_demo_runs_and_shows_a_node_plan() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "--- 4 node(s) x 2 ranks ---" in result.stdout
+    assert "spans" in result.stdout
+    assert "whole" in result.stdout
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(spanwarm.client.__all__) == ["KeyMap", "TensorSpans", "rank_spans"]
+    exported = set(spanwarm.errors.__all__)
+    defined = {
+        name
+        for name, value in vars(spanwarm.errors).items()
+        if isinstance(value, type)
+        and issubclass(value, Exception)
+        and value.__module__ == "spanwarm.errors"
+    }
+    assert exported == defined
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = "import sys, spanwarm.client, spanwarm.planner; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

@@ -19,7 +19,7 @@ where it applies, and the cause, so that callers never parse messages::
         │   └── DataSizeMismatchError   data section does not end at the end of the file
         └── CheckpointLayoutError       a checkpoint as a whole is malformed
             ├── IndexFormatError        model.safetensors.index.json is not a valid index
-            ├── ShardMissingError       the index names a shard that does not exist
+            ├── ShardMissingError       a shard (named by the index, or given) does not exist
             ├── ShardOutsideCheckpointError  a shard path escapes the checkpoint directory
             ├── NoShardsError           nothing to load: no index and no *.safetensors
             └── DuplicateTensorError    one tensor stored twice with no chunk offsets
@@ -124,7 +124,7 @@ class IndexFormatError(CheckpointLayoutError):
 
 
 class ShardMissingError(CheckpointLayoutError):
-    """The index names a shard file that does not exist."""
+    """A shard file named by the index, or given directly, does not exist."""
 
 
 class ShardOutsideCheckpointError(CheckpointLayoutError):

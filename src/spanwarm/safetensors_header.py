@@ -293,6 +293,8 @@ class HeaderCache:
             fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except IsADirectoryError as exc:
             raise NotARegularFileError(name, "is a directory, not a safetensors file") from exc
+        except FileNotFoundError as exc:
+            raise ShardMissingError(name, "no such file") from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

@@ -47,17 +47,8 @@ def test_seed_repro_table(
     packed, per_expert = repro
     local_world = 4 // nodes
     for node in range(nodes):
-        doc = plan_json(
-            str(packed),
-            "--world",
-            "4",
-            "--local-world",
-            str(local_world),
-            "--node",
-            str(node),
-            "--place",
-            PACKED_RULE,
-        )
+        args = ["--world", "4", "--local-world", str(local_world), "--node", str(node)]
+        doc = plan_json(str(packed), *args, "--place", PACKED_RULE)
         (f,) = doc["files"]
         assert f["decision"] == packed_decision
         # Tensor bytes plus the file's header, which the loader reads first.
@@ -66,18 +57,8 @@ def test_seed_repro_table(
         assert f["num_runs"] == (1 if nodes == 1 else 3 if node else 2)
         assert doc["ranks"] == list(range(node * local_world, (node + 1) * local_world))
 
-        doc = plan_json(
-            str(per_expert),
-            "--world",
-            "4",
-            "--local-world",
-            str(local_world),
-            "--node",
-            str(node),
-            "--place",
-            PACKED_RULE,
-        )
-        (f,) = doc["files"]
+        # The packed rule names no per-expert tensor: each is replicated, the file read whole.
+        (f,) = plan_json(str(per_expert), *args, "--place", PACKED_RULE)["files"]
         assert (f["decision"], f["warm_bytes"]) == ("whole", f["size_bytes"])
 
 

@@ -260,6 +260,12 @@ def test_fifo_and_directory_are_refused_without_blocking(tmp_path: Path) -> None
         read_header(tmp_path)
 
 
+def test_missing_file_in_a_list_is_a_checkpoint_error(tmp_path: Path) -> None:
+    with pytest.raises(errors.ShardMissingError, match="no such file") as info:
+        open_checkpoint([tmp_path / "gone.safetensors"])
+    assert info.value.path == str(tmp_path / "gone.safetensors")
+
+
 def test_dcp_chunks_record_their_global_offsets(write_raw: WriteRaw) -> None:
     info = json.dumps({"w": {"saved_offsets": [4, 0]}})
     header = {"__metadata__": {"DCP_SHARDING_INFO": info}, "w": entry("F16", [4, 8], 0, 64)}

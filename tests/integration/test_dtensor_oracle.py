@@ -209,3 +209,27 @@ def test_rank_outside_the_mesh_needs_nothing(tmp_path: Path) -> None:
             torch.empty(8, 4, device="meta"), sub_mesh, [Shard(0)], src_data_rank=None
         )
         assert rank_spans({"experts": meta}, path) == []
+
+
+def test_f4_packed_pairs_map_to_their_bytes(tmp_path: Path) -> None:
+    """torch's float4_e2m1fn_x2 holds two F4 values per element; the header counts values."""
+    path = tmp_path / "f4.safetensors"
+    storage = torch.zeros(4, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    save_file({"w": storage}, str(path))
+    header = read_header(path)
+    assert header.tensors[0].shape == (4, 6)
+    base = header.file_offset(header.tensors[0])
+    cases: list[list[Placement]] = [[Shard(1)], [Shard(0)], [SS(1, split_factor=2)]]
+    for placements in cases:
+        for rank in range(2):
+            with fake_rank(rank, 2):
+                mesh = init_device_mesh("cpu", (2,))
+                held = held_elements((4, 3), mesh, placements)  # one byte per torch element
+                meta = distribute_tensor(
+                    torch.empty(4, 3, dtype=torch.float4_e2m1fn_x2, device="meta"),
+                    mesh,
+                    placements,
+                    src_data_rank=None,
+                )
+                spans = rank_spans({"w": meta}, path)
+                assert named_bytes(spans) == {base + int(e) for e in held}, (placements, rank)

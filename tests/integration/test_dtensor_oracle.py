@@ -219,8 +219,8 @@ def test_f4_packed_pairs_map_to_their_bytes(tmp_path: Path) -> None:
     header = read_header(path)
     assert header.tensors[0].shape == (4, 6)
     base = header.file_offset(header.tensors[0])
-    cases: list[list[Placement]] = [[Shard(1)], [Shard(0)], [SS(1, split_factor=2)]]
-    for placements in cases:
+    layouts: list[list[Placement]] = [[Shard(1)], [Shard(0)], [SS(1, split_factor=2)]]
+    for placements in layouts:
         for rank in range(2):
             with fake_rank(rank, 2):
                 mesh = init_device_mesh("cpu", (2,))

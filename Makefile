@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench clean
+.PHONY: demo test check bench protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 check: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py --check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -25,6 +26,10 @@ test: check
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_planning.py
+	$(BIN)/python bench/bench_daemon.py
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info

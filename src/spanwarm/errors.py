@@ -5,35 +5,46 @@ with a file or a checkpoint raises one of these, each naming the file, the byte 
 where it applies, and the cause, so that callers never parse messages::
 
     SpanwarmError
-    └── CheckpointError                 .path, .offset
-        ├── NotARegularFileError        a FIFO, device or directory where a file belongs
-        ├── HeaderError                 a safetensors file is malformed
-        │   ├── FileTooShortError       shorter than the 8-byte length prefix
-        │   ├── HeaderTooLargeError     declared header length over 100,000,000 bytes
-        │   ├── HeaderPastEndError      declared header runs past the end of the file
-        │   ├── HeaderNotJsonError      header is not a UTF-8 JSON object (or repeats a key)
-        │   ├── UnknownDtypeError       dtype not in the format
-        │   ├── InvalidTensorInfoError  shape / data_offsets / metadata of the wrong type
-        │   ├── InvalidOffsetsError     data_offsets not starting at 0 or not contiguous
-        │   ├── TensorSizeMismatchError byte size != numel x bits / 8
-        │   └── DataSizeMismatchError   data section does not end at the end of the file
-        └── CheckpointLayoutError       a checkpoint as a whole is malformed
-            ├── IndexFormatError        model.safetensors.index.json is not a valid index
-            ├── ShardMissingError       a shard (named by the index, or given) does not exist
-            ├── ShardOutsideCheckpointError  a shard path escapes the checkpoint directory
-            ├── NoShardsError           nothing to load: no index and no *.safetensors
-            └── DuplicateTensorError    one tensor stored twice with no chunk offsets
+    ├── CheckpointError                 .path, .offset
+    │   ├── NotARegularFileError        a FIFO, device or directory where a file belongs
+    │   ├── HeaderError                 a safetensors file is malformed
+    │   │   ├── FileTooShortError       shorter than the 8-byte length prefix
+    │   │   ├── HeaderTooLargeError     declared header length over 100,000,000 bytes
+    │   │   ├── HeaderPastEndError      declared header runs past the end of the file
+    │   │   ├── HeaderNotJsonError      header is not a UTF-8 JSON object (or repeats a key)
+    │   │   ├── UnknownDtypeError       dtype not in the format
+    │   │   ├── InvalidTensorInfoError  shape / data_offsets / metadata of the wrong type
+    │   │   ├── InvalidOffsetsError     data_offsets not starting at 0 or not contiguous
+    │   │   ├── TensorSizeMismatchError byte size != numel x bits / 8
+    │   │   └── DataSizeMismatchError   data section does not end at the end of the file
+    │   ├── CheckpointLayoutError       a checkpoint as a whole is malformed
+    │   │   ├── IndexFormatError        model.safetensors.index.json is not a valid index
+    │   │   ├── ShardMissingError       a shard (named by the index, or given) does not exist
+    │   │   ├── ShardOutsideCheckpointError  a shard path escapes the checkpoint directory
+    │   │   ├── NoShardsError           nothing to load: no index and no *.safetensors
+    │   │   └── DuplicateTensorError    one tensor stored twice with no chunk offsets
+    │   ├── FileChangedError            a file shrank or was replaced while being warmed
+    │   ├── PathNotAllowedError         a file outside the daemon's allowed roots
+    │   └── SpanOutOfRangeError         a span reaches past the end of its file
+    └── RequestError                    a Warm request the daemon refuses as a whole
+        ├── InvalidRequestError         malformed: ragged columns, bad indices, bad paths
+        └── RequestTooLargeError        more spans or files than the per-request limit
+
+Each class carries ``grpc_code``, the name of the gRPC status code the daemon answers
+with, so clients and the daemon agree on one mapping without importing grpc here.
 """
 
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 __all__ = [
     "CheckpointError",
     "CheckpointLayoutError",
     "DataSizeMismatchError",
     "DuplicateTensorError",
+    "FileChangedError",
     "FileTooShortError",
     "HeaderError",
     "HeaderNotJsonError",
@@ -41,11 +52,16 @@ __all__ = [
     "HeaderTooLargeError",
     "IndexFormatError",
     "InvalidOffsetsError",
+    "InvalidRequestError",
     "InvalidTensorInfoError",
     "NoShardsError",
     "NotARegularFileError",
+    "PathNotAllowedError",
+    "RequestError",
+    "RequestTooLargeError",
     "ShardMissingError",
     "ShardOutsideCheckpointError",
+    "SpanOutOfRangeError",
     "SpanwarmError",
     "TensorSizeMismatchError",
     "UnknownDtypeError",
@@ -55,6 +71,8 @@ __all__ = [
 class SpanwarmError(Exception):
     """Base of every runtime error spanwarm raises."""
 
+    grpc_code: ClassVar[str] = "INTERNAL"
+
 
 class CheckpointError(SpanwarmError):
     """A checkpoint file or directory cannot be used as it is.
@@ -62,6 +80,8 @@ class CheckpointError(SpanwarmError):
     ``path`` is the offending file (or directory); ``offset`` the file offset the
     problem was found at, when one applies.
     """
+
+    grpc_code: ClassVar[str] = "FAILED_PRECONDITION"
 
     def __init__(self, path: str | os.PathLike[str], cause: str, *, offset: int | None = None):
         self.path = os.fspath(path)
@@ -126,6 +146,8 @@ class IndexFormatError(CheckpointLayoutError):
 class ShardMissingError(CheckpointLayoutError):
     """A shard file named by the index, or given directly, does not exist."""
 
+    grpc_code: ClassVar[str] = "NOT_FOUND"
+
 
 class ShardOutsideCheckpointError(CheckpointLayoutError):
     """A shard path is absolute, climbs out with ``..``, or is a symlink leading outside."""
@@ -137,3 +159,37 @@ class NoShardsError(CheckpointLayoutError):
 
 class DuplicateTensorError(CheckpointLayoutError):
     """Two files store the same tensor name and neither records chunk offsets."""
+
+
+class FileChangedError(CheckpointError):
+    """A file shrank, grew or was replaced between the request and the read."""
+
+    grpc_code: ClassVar[str] = "ABORTED"
+
+
+class PathNotAllowedError(CheckpointError):
+    """A file lies outside the daemon's allowed roots (symlinks resolved)."""
+
+    grpc_code: ClassVar[str] = "PERMISSION_DENIED"
+
+
+class SpanOutOfRangeError(CheckpointError):
+    """A span reaches past the end of its file."""
+
+    grpc_code: ClassVar[str] = "OUT_OF_RANGE"
+
+
+class RequestError(SpanwarmError):
+    """A Warm request the daemon refuses as a whole."""
+
+    grpc_code: ClassVar[str] = "INVALID_ARGUMENT"
+
+
+class InvalidRequestError(RequestError):
+    """Ragged span columns, an index outside its table, a relative path, a zero stride."""
+
+
+class RequestTooLargeError(RequestError):
+    """More spans or files than the daemon's per-request limit."""
+
+    grpc_code: ClassVar[str] = "RESOURCE_EXHAUSTED"

@@ -26,9 +26,24 @@ def test_quick_start_is_exactly_two_make_commands() -> None:
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
 
 
-def test_demo_runs_and_shows_a_node_plan() -> None:
+def test_demo_runs_end_to_end() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "demo.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "node plan" in result.stdout
+    assert re.search(r"rank 0: first tensor after \d+ ms, all \d+ after", result.stdout)
+    assert re.search(r"rank 1: first tensor after \d+ ms", result.stdout)
+    assert "bytes read from storage by the daemon" in result.stdout
+    assert "daemon stopped with exit status 0" in result.stdout
+
+
+def test_what_if_example_shows_node_plans() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan_whatif.py")],
         capture_output=True,
         text=True,
         check=True,
@@ -40,7 +55,14 @@ def test_demo_runs_and_shows_a_node_plan() -> None:
 
 
 def test_public_names_are_pinned() -> None:
-    assert sorted(spanwarm.client.__all__) == ["KeyMap", "TensorSpans", "rank_spans"]
+    assert sorted(spanwarm.client.__all__) == [
+        "Client",
+        "KeyMap",
+        "Progress",
+        "TensorSpans",
+        "Ticket",
+        "rank_spans",
+    ]
     exported = set(spanwarm.errors.__all__)
     defined = {
         name
@@ -53,7 +75,10 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_importing_the_client_does_not_import_torch() -> None:
-    code = "import sys, spanwarm.client, spanwarm.planner; print('torch' in sys.modules)"
+    code = (
+        "import sys, spanwarm.client, spanwarm.planner, spanwarm.daemon.server; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from spanwarm.cli import plan
+from spanwarm.cli import plan, serve, status, warm
 
 __all__ = ["main"]
 
@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Warm exactly the checkpoint bytes each rank of a distributed job will read.",
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan.add_parser(commands)
+    for command in (serve, status, warm, plan):
+        command.add_parser(commands)
     return parser
 
 

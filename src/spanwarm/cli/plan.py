@@ -8,11 +8,12 @@ import os
 import sys
 from typing import Any
 
+from spanwarm.cli.arguments import size
 from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.errors import CheckpointError
 from spanwarm.planner import NodePlan, PlacementRule, plan_node
 from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.units import format_bytes, parse_size
+from spanwarm.units import format_bytes
 
 EXAMPLES = """\
 examples:
@@ -31,13 +32,6 @@ def _mesh(text: str) -> tuple[int, ...]:
     if not dims or any(d < 1 for d in dims):
         raise argparse.ArgumentTypeError(f"mesh {text!r} has a dim below 1")
     return dims
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _rule(text: str) -> PlacementRule:
@@ -79,7 +73,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--seek-cost",
-        type=_size,
+        type=size,
         default=DEFAULT_SEEK_COST,
         metavar="SIZE",
         help="price of one seek in bytes (default 12MiB; measure with `spanwarm calibrate`)",

@@ -1,0 +1,104 @@
+"""``spanwarm status``: what the node's daemon is doing, once, as JSON, or live."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import grpc
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from spanwarm.client import Client
+from spanwarm.units import format_bytes
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "status", help="jobs, ranks, files, bytes planned and warm, throughput, ETA"
+    )
+    parser.add_argument("--socket", help="daemon socket (default: as `spanwarm serve`)")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    parser.set_defaults(run=run)
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{format_bytes(int(bytes_per_s))}/s"
+
+
+def render(status: dict[str, Any]) -> Group:
+    """The status as rich renderables: a summary line, ranks with progress bars, files."""
+    planned, warm = status["bytes_planned"], status["bytes_warm"]
+    summary = (
+        f"spanwarm {status['version']}  up {status['uptime_s']:.0f} s  method {status['method']}  "
+        f"{status['workers']} workers\n"
+        f"planned {format_bytes(planned)}  warm {format_bytes(warm)}  "
+        f"requested {format_bytes(status['bytes_requested'])}  "
+        f"read {format_bytes(status['bytes_read_total'])}  "
+        f"already resident {format_bytes(status['bytes_verified_total'])}\n"
+        f"{_rate(status['throughput_bytes_per_s'])}  ETA {status['eta_s']:.1f} s  "
+        f"queue {status['queue_depth']}  in flight {status['in_flight']}"
+    )
+    ranks = Table("job", "rank", "tensors", "", "bytes ready", title="ranks", title_justify="left")
+    for r in status["ranks"]:
+        done = r["groups_ready"] + r["groups_failed"]
+        ranks.add_row(
+            r["job"],
+            str(r["rank"]),
+            f"{r['groups_ready']}/{r['groups']}"
+            + (f" ({r['groups_failed']} failed)" if r["groups_failed"] else ""),
+            ProgressBar(total=max(r["groups"], 1), completed=done, width=30),
+            f"{format_bytes(r['bytes_ready'])} of {format_bytes(r['bytes_requested'])}",
+        )
+    files = Table(
+        "file", "size", "needed", "runs", "decision", "planned", title="files", title_justify="left"
+    )
+    for f in status["files"]:
+        files.add_row(
+            f["path"],
+            format_bytes(f["size_bytes"]),
+            format_bytes(f["needed_bytes"]),
+            str(f["num_runs"]),
+            f["decision"],
+            format_bytes(f["warm_bytes"]),
+        )
+    parts: list[Any] = [summary]
+    if status["ranks"]:
+        parts.append(ranks)
+    if status["files"]:
+        parts.append(files)
+    return Group(*parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    client = Client(args.socket, timeout=5.0)
+    console = Console()
+    try:
+        if args.json:
+            json.dump(client.status(), sys.stdout, indent=2)
+            print()
+        elif not args.watch:
+            console.print(render(client.status()))
+        else:
+            with Live(render(client.status()), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(args.interval)
+                    live.update(render(client.status()))
+    except grpc.RpcError as exc:
+        print(
+            f"spanwarm status: no daemon answering at {client.socket} ({exc.code().name})",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+    return 0

@@ -1,0 +1,308 @@
+"""The rank side of the daemon protocol: ``Client.request_spans`` -> ``Ticket.wait``.
+
+A request returns at once with a :class:`Ticket`; a background thread consumes the
+daemon's stream and marks tensors ready as their bytes are warm. spanwarm must never
+fail or stall a job: if the daemon is absent, dies, or answers with an error, one
+warning is logged and every tensor not yet ready is released (the loader then reads
+cold, as it would without spanwarm). ``SPANWARM_DISABLE=1`` makes every request a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+
+from spanwarm.client.rank_spans import KeyMap, rank_spans
+from spanwarm.endpoint import default_socket_path
+from spanwarm.tensor_layout import TensorSpans
+
+__all__ = ["Client", "Progress", "Ticket", "message_dict"]
+
+logger = logging.getLogger("spanwarm.client")
+
+_PENDING, _READY, _FAILED, _RELEASED = 0, 1, 2, 3
+_MAX_MESSAGE = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class Progress:
+    groups: int
+    ready: int
+    """Tensors whose bytes the daemon has warmed."""
+    failed: int
+    """Tensors the daemon could not warm, or released without it (daemon absent or gone)."""
+    bytes_total: int
+    bytes_ready: int
+
+    @property
+    def done(self) -> bool:
+        return self.ready + self.failed == self.groups
+
+
+class Ticket:
+    """Readiness of one request's tensors (checkpoint keys), updated by a background thread."""
+
+    def __init__(self, names: Sequence[str], nbytes: Sequence[int]) -> None:
+        self._index = {name: i for i, name in enumerate(names)}
+        self._names = list(names)
+        self._bytes = list(nbytes)
+        self._state = [_PENDING] * len(names)
+        self._pending = len(names)
+        self._cond = threading.Condition()
+        self._call: Any = None
+        self.plan: list[dict[str, Any]] = []
+        """The node plan for this request's files, once the daemon has accepted it."""
+        self.failures: dict[str, str] = {}
+        """Tensor -> why the daemon could not warm it."""
+        self.finished = threading.Event()
+
+    def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
+        """Block until these tensors (all, if None) are warm or released; False on timeout.
+
+        Names the request did not include have nothing to wait for.
+        """
+        wanted = (
+            list(range(len(self._names)))
+            if names is None
+            else [self._index[n] for n in names if n in self._index]
+        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while any(self._state[i] == _PENDING for i in wanted):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def ready(self, name: str) -> bool:
+        """True when ``name`` is warm, released, or not part of the request."""
+        i = self._index.get(name)
+        return i is None or self._state[i] != _PENDING
+
+    @property
+    def progress(self) -> Progress:
+        with self._cond:
+            ready = [i for i, s in enumerate(self._state) if s == _READY]
+            return Progress(
+                groups=len(self._names),
+                ready=len(ready),
+                failed=sum(1 for s in self._state if s in (_FAILED, _RELEASED)),
+                bytes_total=sum(self._bytes),
+                bytes_ready=sum(self._bytes[i] for i in ready),
+            )
+
+    def cancel(self) -> None:
+        """Withdraw the request: the daemon drops warming only it needed."""
+        if self._call is not None:
+            self._call.cancel()
+        self._release()
+
+    # -- updated by the stream thread --------------------------------------------------
+
+    def _mark(self, groups: Iterable[int], state: int, reason: str = "") -> None:
+        with self._cond:
+            for i in groups:
+                if 0 <= i < len(self._state) and self._state[i] == _PENDING:
+                    self._state[i] = state
+                    self._pending -= 1
+                    if reason:
+                        self.failures[self._names[i]] = reason
+            self._cond.notify_all()
+
+    def _release(self) -> int:
+        """Everything still pending is released to be read cold; returns how many."""
+        with self._cond:
+            released = self._pending
+            self._state = [_RELEASED if s == _PENDING else s for s in self._state]
+            self._pending = 0
+            self._cond.notify_all()
+        self.finished.set()
+        return released
+
+
+def _job_id(job: str | None) -> str:
+    return (
+        job or os.environ.get("SPANWARM_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    )
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+class Client:
+    """A connection to the node's daemon (lazily opened; safe to share across threads)."""
+
+    def __init__(
+        self, socket: str | None = None, timeout: float = 10.0, *, stream_timeout: float = 6 * 3600
+    ) -> None:
+        self.socket = socket or default_socket_path()
+        self.timeout = timeout
+        self.stream_timeout = stream_timeout
+        self.disabled = os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
+        self._channel: grpc.Channel | None = None
+        self._lock = threading.Lock()
+
+    def _stub(self) -> Any:
+        from spanwarm.rpc.v1 import warmer_pb2_grpc
+
+        with self._lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(
+                    f"unix:{self.socket}",
+                    options=[
+                        ("grpc.max_send_message_length", _MAX_MESSAGE),
+                        ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                    ],
+                )
+            return warmer_pb2_grpc.WarmerStub(self._channel)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request_spans(
+        self,
+        state_dict: Mapping[str, Any],
+        checkpoint: Any,
+        *,
+        job: str | None = None,
+        key_map: KeyMap | None = None,
+        unmatched: Literal["warm", "skip"] = "warm",
+    ) -> Ticket:
+        """Ask the daemon to warm what this rank will read of ``checkpoint``; returns at once."""
+        if self.disabled:
+            return self._released([])
+        try:
+            spans = rank_spans(state_dict, checkpoint, key_map=key_map, unmatched=unmatched)
+        except Exception as exc:  # a prefetch problem must never fail the load
+            logger.warning("spanwarm: cannot compute spans (%s); loading without prefetch", exc)
+            return self._released([])
+        return self.request(spans, job=job)
+
+    def request(
+        self, spans: Sequence[TensorSpans], *, job: str | None = None, rank: int | None = None
+    ) -> Ticket:
+        """Ask the daemon to warm ``spans`` (grouped by their tensor); returns at once."""
+        from spanwarm.rpc.v1 import warmer_pb2
+
+        files: dict[str, int] = {}
+        groups: dict[str, int] = {}
+        nbytes: list[int] = []
+        columns: tuple[list[int], ...] = ([], [], [], [], [], [])
+        for s in spans:
+            path = os.path.abspath(s.path)
+            f = files.setdefault(path, len(files))
+            g = groups.setdefault(s.tensor, len(groups))
+            if g == len(nbytes):
+                nbytes.append(0)
+            nbytes[g] += s.length * s.count
+            for column, value in zip(
+                columns, (f, s.offset, s.length, s.stride, s.count, g), strict=True
+            ):
+                column.append(value)
+        ticket = Ticket(list(groups), nbytes)
+        if self.disabled:
+            ticket._release()
+            return ticket
+        request = warmer_pb2.WarmRequest(
+            job=_job_id(job),
+            rank=_rank() if rank is None else rank,
+            files=list(files),
+            groups=list(groups),
+            file_index=columns[0],
+            offset=columns[1],
+            length=columns[2],
+            stride=columns[3],
+            count=columns[4],
+            group_index=columns[5],
+        )
+        thread = threading.Thread(
+            target=self._consume, args=(ticket, request), name="spanwarm-ticket", daemon=True
+        )
+        thread.start()
+        return ticket
+
+    def _consume(self, ticket: Ticket, request: Any) -> None:
+        try:
+            call = self._stub().Warm(request, timeout=self.stream_timeout)
+            ticket._call = call
+            for event in call:
+                kind = event.WhichOneof("event")
+                if kind == "plan":
+                    ticket.plan = [message_dict(f) for f in event.plan.files]
+                elif kind == "ready":
+                    ticket._mark(event.ready.groups, _READY)
+                elif kind == "failed":
+                    ticket._mark(
+                        event.failed.groups, _FAILED, f"{event.failed.code}: {event.failed.reason}"
+                    )
+                elif kind == "done":
+                    break
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                logger.warning(
+                    "spanwarm: daemon at %s: %s: %s; the rest loads without prefetch",
+                    self.socket,
+                    exc.code().name,
+                    exc.details(),
+                )
+        except Exception as exc:  # a prefetch problem must never fail the load
+            logger.warning("spanwarm: %s; the rest loads without prefetch", exc)
+        finally:
+            if ticket.failures:
+                name, reason = next(iter(ticket.failures.items()))
+                logger.warning(
+                    "spanwarm: %d tensors could not be warmed (first: %s: %s)",
+                    len(ticket.failures),
+                    name,
+                    reason,
+                )
+            ticket._release()
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's Status as a dict (raises grpc.RpcError when it is unreachable)."""
+        from spanwarm.rpc.v1 import warmer_pb2
+
+        return message_dict(self._stub().Status(warmer_pb2.StatusRequest(), timeout=self.timeout))
+
+    def _released(self, names: list[str]) -> Ticket:
+        ticket = Ticket(names, [0] * len(names))
+        ticket._release()
+        return ticket
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """A protobuf message as plain Python values (numbers stay numbers, unlike MessageToDict)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        nested = field.message_type is not None
+        if field.is_repeated:
+            out[field.name] = [message_dict(v) for v in value] if nested else list(value)
+        else:
+            out[field.name] = message_dict(value) if nested else value
+    return out

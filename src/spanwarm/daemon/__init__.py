@@ -1,0 +1,1 @@
+"""The spanwarm node daemon. Imports no torch."""

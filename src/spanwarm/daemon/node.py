@@ -1,0 +1,534 @@
+"""The node: every live request, one plan per file, and readiness per tensor group.
+
+Everything here runs on the event loop thread; only the blocking warm operations run
+in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of a file
+(C = the chunk size, the device read-ahead window) intersected with the file's plan.
+
+- **Plan.** Each file's plan is the cost model applied to the union of the spans of
+  every live request that names it (every rank, every job): bridged runs, or the whole
+  file. It is recomputed when a request arrives or leaves, so warming that nobody needs
+  any more drops out of the plan and its queued cells are skipped.
+- **Need.** A request needs, in each cell its spans touch, the planned bytes between the
+  first and last byte it names there (its *hull*). Its tensor groups each wait for the
+  cells their spans touch.
+- **Readiness.** A request's cell is satisfied when completed warm operations that
+  finished after the request arrived cover its need. A group is ready when all its cells
+  are. Bytes warmed for one request serve every other one that arrived before the read
+  completed, so each byte is read once per node; a late arrival re-checks residency
+  (where mincore can be trusted) instead of reading again.
+- **Order.** Requests take turns (round robin); each one's cells go in the order its
+  spans came, so every rank's first tensors are warm first. Cells the plan reads that no
+  request needs (bridged gaps, whole files) take the last turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from spanwarm.costmodel import FilePlan, plan_file
+from spanwarm.daemon.admission import AdmittedRequest, FileTable, OpenFile
+from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method
+from spanwarm.errors import FileChangedError
+from spanwarm.residency import resident_bytes
+from spanwarm.spans import SpanTable
+
+__all__ = ["Event", "Node", "Request"]
+
+logger = logging.getLogger("spanwarm.daemon")
+
+CellKey = tuple[OpenFile, int]
+Range = tuple[int, int]
+
+PENDING, READY, FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Event:
+    """One message for a request's stream: ``kind`` is ready, failed or done."""
+
+    kind: str
+    groups: tuple[int, ...] = ()
+    code: str = ""
+    reason: str = ""
+
+
+@dataclass
+class Cell:
+    warm: list[tuple[int, int, float]] = field(default_factory=list)  # (start, stop, completed)
+    in_flight: bool = False
+    waiters: set[Request] = field(default_factory=set)
+
+
+class Request:
+    """A rank's live interest: its spans, what each group waits for, its event queue."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, admitted: AdmittedRequest, chunk: int) -> None:
+        self.id = next(self._ids)
+        self.job = admitted.job
+        self.rank = admitted.rank
+        self.groups = admitted.groups
+        self.arrival = time.monotonic()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.files: dict[OpenFile, SpanTable] = {}
+        self.state = np.zeros(len(self.groups), dtype=np.int8)
+        self.remaining = np.zeros(len(self.groups), dtype=np.int64)
+        self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)
+        self.hulls: dict[CellKey, Range] = {}
+        self._cell_rows: dict[CellKey, int] = {}
+        self._row_groups: list[npt.NDArray[np.int64]] = []
+        order: list[tuple[int, CellKey]] = []
+        for position, file in enumerate(admitted.files):
+            table = admitted.spans[position]
+            groups = admitted.span_groups[position]
+            self.files[file] = (
+                SpanTable.concat([self.files[file], table]) if file in self.files else table
+            )
+            np.add.at(self.group_bytes, groups, table.length * table.count)
+            order.extend(self._index_cells(file, table, groups, chunk))
+        order.sort(key=lambda item: item[0])
+        self.queue: collections.deque[CellKey] = collections.deque(key for _, key in order)
+        self.pending: set[CellKey] = set(self.hulls)
+        self.finished = False
+
+    def _index_cells(
+        self, file: OpenFile, table: SpanTable, groups: npt.NDArray[np.int64], chunk: int
+    ) -> list[tuple[int, CellKey]]:
+        """Record the hull and groups of every cell the spans touch; return (first span, cell)."""
+        keep = (table.length > 0) & (table.count > 0)
+        span_ids = np.flatnonzero(keep)
+        off, length = table.offset[keep], table.length[keep]
+        stride = np.where(table.stride[keep] > 0, table.stride[keep], 1)
+        count = np.where(table.stride[keep] > 0, table.count[keep], 1)
+        if not len(off):
+            return []
+        end = off + (count - 1) * stride + length
+        first_cell, last_cell = off // chunk, (end - 1) // chunk
+        cells_per_span = last_cell - first_cell + 1
+        pair_span = np.repeat(np.arange(len(off)), cells_per_span)
+        pair_cell = np.repeat(first_cell, cells_per_span) + (
+            np.arange(len(pair_span))
+            - np.repeat(np.cumsum(cells_per_span) - cells_per_span, cells_per_span)
+        )
+        o, ln, st, ct = off[pair_span], length[pair_span], stride[pair_span], count[pair_span]
+        c0 = pair_cell * chunk
+        c1 = np.minimum(c0 + chunk, file.size)
+        first_row = np.maximum(0, (c0 - o - ln) // st + 1)  # first row ending past c0
+        last_row = np.minimum(ct - 1, (c1 - 1 - o) // st)
+        touches = first_row <= last_row
+        pair_span, pair_cell = pair_span[touches], pair_cell[touches]
+        lo = np.maximum(c0, o + first_row * st)[touches]
+        hi = np.minimum(c1, o + last_row * st + ln)[touches]
+        pair_group = groups[span_ids[pair_span]]
+
+        # One row per cell: hull and first span; groups as CSR rows.
+        order = np.lexsort((pair_group, pair_cell))
+        pair_cell, pair_group = pair_cell[order], pair_group[order]
+        lo, hi, pair_span = lo[order], hi[order], span_ids[pair_span][order]
+        heads = np.flatnonzero(np.r_[True, pair_cell[1:] != pair_cell[:-1]])
+        cell_lo = np.minimum.reduceat(lo, heads)
+        cell_hi = np.maximum.reduceat(hi, heads)
+        cell_first = np.minimum.reduceat(pair_span, heads)
+        unique_pair = np.r_[
+            True, (pair_cell[1:] != pair_cell[:-1]) | (pair_group[1:] != pair_group[:-1])
+        ]
+        np.add.at(self.remaining, pair_group[unique_pair], 1)
+        bounds = np.r_[heads, len(pair_cell)]
+        out = []
+        for row, cell in enumerate(pair_cell[heads].tolist()):
+            key = (file, cell)
+            start, stop = int(bounds[row]), int(bounds[row + 1])
+            groups_here = np.unique(pair_group[start:stop])
+            if key in self.hulls:  # the same file listed twice in one request
+                old_lo, old_hi = self.hulls[key]
+                self.hulls[key] = (min(old_lo, int(cell_lo[row])), max(old_hi, int(cell_hi[row])))
+                existing = self._row_groups[self._cell_rows[key]]
+                self._row_groups[self._cell_rows[key]] = np.union1d(existing, groups_here)
+                continue
+            self.hulls[key] = (int(cell_lo[row]), int(cell_hi[row]))
+            self._cell_rows[key] = len(self._row_groups)
+            self._row_groups.append(groups_here)
+            out.append((int(cell_first[row]), key))
+        return out
+
+    def cell_groups(self, key: CellKey) -> npt.NDArray[np.int64]:
+        return self._row_groups[self._cell_rows[key]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.group_bytes.sum())
+
+    @property
+    def resolved(self) -> bool:
+        return not bool((self.state == PENDING).any())
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def _clip(runs: Iterable[Range], lo: int, hi: int) -> list[Range]:
+    return [(max(a, lo), min(b, hi)) for a, b in runs if a < hi and b > lo]
+
+
+def _subtract(ranges: list[Range], holes: list[Range]) -> list[Range]:
+    """``ranges`` minus ``holes`` (both sorted, disjoint)."""
+    out: list[Range] = []
+    for a, b in ranges:
+        for h0, h1 in holes:
+            if h1 <= a or h0 >= b:
+                continue
+            if h0 > a:
+                out.append((a, h0))
+            a = max(a, h1)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def _union(ranges: Iterable[Range]) -> list[Range]:
+    out: list[Range] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class Node:
+    """Owns the live requests, the plans and the warm workers of one daemon."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.chunk = config.chunk_bytes
+        self.method = WarmMethod(config.method) if config.method else default_method()
+        self.engine = WarmEngine(
+            self.method, chunk_bytes=self.chunk, throttle_bytes_per_s=config.throttle_bytes_per_s
+        )
+        self.files = FileTable(config.allow)
+        self.started = time.monotonic()
+        self._requests: list[Request] = []
+        self._plans: dict[OpenFile, FilePlan] = {}
+        self._users: dict[OpenFile, set[Request]] = {}
+        self._cells: dict[CellKey, Cell] = {}
+        self._background: collections.deque[CellKey] = collections.deque()
+        self._turn = 0
+        self._in_flight = 0
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="spanwarm-warm")
+        self._wake = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self.bytes_read_total = 0
+        self.bytes_verified_total = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name="dispatch")
+
+    async def close(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=True)
+        for request in list(self._requests):
+            self.release(request)
+        self.files.close_all()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def register(self, request: Request) -> None:
+        """Add an admitted request (built off the loop with ``Request(admitted, node.chunk)``)."""
+        self._requests.append(request)
+        for file in request.files:
+            self._users.setdefault(file, set()).add(request)
+        for key in request.hulls:
+            self._cells.setdefault(key, Cell()).waiters.add(request)
+        self._replan(request.files)
+        empty = np.flatnonzero(request.remaining == 0)
+        request.state[empty] = READY
+        if empty.size:
+            request.events.put_nowait(Event("ready", tuple(empty.tolist())))
+        self._finish_if_resolved(request)
+        self._wake.set()
+
+    def release(self, request: Request) -> None:
+        """The request's stream ended: drop its interest and everything only it needed."""
+        if request not in self._requests:
+            return
+        self._requests.remove(request)
+        for key in request.hulls:
+            cell = self._cells.get(key)
+            if cell is not None:
+                cell.waiters.discard(request)
+        for file in request.files:
+            self._users[file].discard(request)
+        self._replan(request.files)
+        for file in request.files:
+            if not self._users[file]:
+                del self._users[file]
+                self._plans.pop(file, None)
+                for key in [
+                    k for k in self._cells if k[0] is file and not self._cells[k].in_flight
+                ]:
+                    del self._cells[key]
+        for file in request.files:
+            self.files.release(file)
+
+    def plan_of(self, request: Request) -> list[FilePlan]:
+        return [self._plans[f] for f in request.files if f in self._plans]
+
+    def _replan(self, files: Iterable[OpenFile]) -> None:
+        for file in files:
+            users = self._users.get(file)
+            if not users:
+                continue
+            table = SpanTable.concat(r.files[file] for r in users)
+            self._plans[file] = plan_file(file.path, file.size, table, self.config.seek_cost)
+        self._background = collections.deque(self._unneeded_cells())
+
+    def _unneeded_cells(self) -> list[CellKey]:
+        """Cells the plans read that no request needs: bridged gaps and whole files."""
+        out: list[CellKey] = []
+        for file, plan in self._plans.items():
+            for start, stop in plan.runs.pairs():
+                for cell in range(start // self.chunk, (stop - 1) // self.chunk + 1):
+                    key = (file, cell)
+                    state = self._cells.get(key)
+                    if state is None or not state.waiters:
+                        out.append(key)
+        return out
+
+    # -- what to read --------------------------------------------------------------------
+
+    def _planned(self, key: CellKey, lo: int, hi: int) -> list[Range]:
+        plan = self._plans.get(key[0])
+        if plan is None:
+            return []
+        c0 = key[1] * self.chunk
+        return _clip(plan.runs.pairs(), max(lo, c0), min(hi, c0 + self.chunk))
+
+    def _satisfied(self, request: Request, key: CellKey) -> bool:
+        lo, hi = request.hulls[key]
+        valid = _union((a, b) for a, b, t in self._cells[key].warm if t >= request.arrival)
+        return not _subtract(self._planned(key, lo, hi), valid)
+
+    def _to_read(self, key: CellKey) -> list[Range]:
+        cell = self._cells.setdefault(key, Cell())
+        waiters = [r for r in cell.waiters if key in r.pending]
+        if not waiters:  # background: whatever of the plan was never warmed
+            return _subtract(self._planned(key, 0, 2**62), _union((a, b) for a, b, _ in cell.warm))
+        lo = min(r.hulls[key][0] for r in waiters)
+        hi = max(r.hulls[key][1] for r in waiters)
+        since = max(r.arrival for r in waiters)
+        return _subtract(
+            self._planned(key, lo, hi), _union((a, b) for a, b, t in cell.warm if t >= since)
+        )
+
+    def _next(self) -> tuple[CellKey, list[Range]] | None:
+        """The next cell to warm: requests take turns, background cells go last."""
+        participants: list[Request | None] = [*self._requests, None]
+        for step in range(len(participants)):
+            who = participants[(self._turn + step) % len(participants)]
+            queue = self._background if who is None else who.queue
+            while queue:
+                key = queue.popleft()
+                cell = self._cells.get(key)
+                if who is not None and key not in who.pending:
+                    continue
+                if (cell is not None and cell.in_flight) or key[0] not in self._plans:
+                    continue  # in flight: its waiters are re-checked when it completes
+                ranges = self._to_read(key)
+                if not ranges:
+                    if who is not None:
+                        self._settle(key)
+                    continue
+                self._turn = (self._turn + step + 1) % len(participants)
+                return key, ranges
+        return None
+
+    # -- warming ---------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._in_flight < self.config.workers:
+                item = self._next()
+                if item is None:
+                    break
+                key, ranges = item
+                self._cells[key].in_flight = True
+                self._in_flight += 1
+                task = asyncio.get_running_loop().create_task(self._warm(key, ranges))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _warm(self, key: CellKey, ranges: list[Range]) -> None:
+        file = key[0]
+        loop = asyncio.get_running_loop()
+        try:
+            read, verified = await loop.run_in_executor(
+                self._pool, self._warm_blocking, file, ranges
+            )
+        except FileChangedError as exc:
+            self._fail_file(file, exc.grpc_code, str(exc))
+        except OSError as exc:
+            where = f"{file.path}: {exc.strerror or exc} (at offset {ranges[0][0]})"
+            self._fail_cell(key, "UNAVAILABLE", where)
+        else:
+            done = time.monotonic()
+            self._cells[key].warm.extend((a, b, done) for a, b in ranges)
+            self.bytes_read_total += read
+            self.bytes_verified_total += verified
+            self._recent.append((done, read + verified))
+            self._settle(key)
+        finally:
+            self._in_flight -= 1
+            cell = self._cells.get(key)
+            if cell is not None:
+                cell.in_flight = False
+                if not cell.waiters and file not in self._users:
+                    del self._cells[key]
+            self._wake.set()
+
+    def _warm_blocking(self, file: OpenFile, ranges: list[Range]) -> tuple[int, int]:
+        """Runs in a worker: warm what is not already resident; (bytes read, bytes found)."""
+        file.check_unchanged()
+        read = verified = 0
+        for start, stop in ranges:
+            resident = resident_bytes(file.fd, start, stop - start) if file.trusted else 0
+            if resident == stop - start:
+                verified += resident
+                continue
+            self.engine.warm(file.fd, [(start, stop)])
+            read += stop - start - resident
+            verified += resident
+        return read, verified
+
+    # -- readiness -----------------------------------------------------------------------
+
+    def _settle(self, key: CellKey) -> None:
+        """Re-check every waiter of a cell after it changed; emit what became ready."""
+        cell = self._cells.get(key)
+        if cell is None:
+            return
+        for request in list(cell.waiters):
+            if key not in request.pending:
+                continue
+            if not self._satisfied(request, key):
+                request.queue.appendleft(key)  # the read did not cover it: go again, first
+                continue
+            request.pending.discard(key)
+            cell.waiters.discard(request)
+            groups = request.cell_groups(key)
+            groups = groups[request.state[groups] == PENDING]
+            request.remaining[groups] -= 1
+            now_ready = groups[request.remaining[groups] == 0]
+            if now_ready.size:
+                request.state[now_ready] = READY
+                request.events.put_nowait(Event("ready", tuple(now_ready.tolist())))
+            self._finish_if_resolved(request)
+
+    def _fail_cell(self, key: CellKey, code: str, reason: str) -> None:
+        cell = self._cells.get(key)
+        if cell is None:
+            return
+        for request in list(cell.waiters):
+            self._fail(request, key, code, reason)
+        cell.waiters.clear()
+
+    def _fail_file(self, file: OpenFile, code: str, reason: str) -> None:
+        logger.warning("%s", reason)
+        for request in list(self._users.get(file, ())):
+            for key in [k for k in request.pending if k[0] is file]:
+                self._fail(request, key, code, reason)
+                self._cells[key].waiters.discard(request)
+        self._plans.pop(file, None)
+
+    def _fail(self, request: Request, key: CellKey, code: str, reason: str) -> None:
+        request.pending.discard(key)
+        groups = request.cell_groups(key)
+        groups = groups[request.state[groups] == PENDING]
+        if groups.size:
+            request.state[groups] = FAILED
+            request.events.put_nowait(Event("failed", tuple(groups.tolist()), code, reason))
+        self._finish_if_resolved(request)
+
+    def _finish_if_resolved(self, request: Request) -> None:
+        if request.resolved and not request.finished:
+            request.finished = True
+            request.events.put_nowait(Event("done"))
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - 5.0:
+            self._recent.popleft()
+        window = min(5.0, max(now - self.started, 1e-3))
+        throughput = sum(b for _, b in self._recent) / window
+        planned = warm = 0
+        files = []
+        warm_by_file: dict[OpenFile, list[Range]] = {}
+        for (file, _), cell in self._cells.items():
+            warm_by_file.setdefault(file, []).extend((a, b) for a, b, _ in cell.warm)
+        for file, plan in self._plans.items():
+            warmed = _union(warm_by_file.get(file, ()))
+            runs = plan.runs.pairs()
+            file_warm = sum(b - a for r0, r1 in runs for a, b in _clip(warmed, r0, r1))
+            planned += plan.warm_bytes
+            warm += file_warm
+            files.append({**plan.to_json(), "warm_now_bytes": file_warm})
+        ranks = [
+            {
+                "job": r.job,
+                "rank": r.rank,
+                "groups": len(r.groups),
+                "groups_ready": int((r.state == READY).sum()),
+                "groups_failed": int((r.state == FAILED).sum()),
+                "bytes_requested": r.nbytes,
+                "bytes_ready": int(r.group_bytes[r.state == READY].sum()),
+                "age_s": now - r.arrival,
+            }
+            for r in self._requests
+        ]
+        left = planned - warm
+        return {
+            "uptime_s": now - self.started,
+            "method": str(self.method),
+            "workers": self.config.workers,
+            "seek_cost_bytes": self.config.seek_cost,
+            "ranks": ranks,
+            "files": files,
+            "bytes_requested": sum(r.nbytes for r in self._requests),
+            "bytes_planned": planned,
+            "bytes_warm": warm,
+            "bytes_read_total": self.bytes_read_total,
+            "bytes_verified_total": self.bytes_verified_total,
+            "throughput_bytes_per_s": throughput,
+            "eta_s": left / throughput if left > 0 and throughput > 0 else 0.0,
+            "queue_depth": sum(len(r.pending) for r in self._requests) + len(self._background),
+            "in_flight": self._in_flight,
+        }

@@ -1,0 +1,156 @@
+"""The daemon's lifecycle: bind, serve, drain on SIGTERM within a bound, shut down.
+
+The Unix socket is created under a restrictive umask, so it is never more open than
+0600 (0660 once handed to ``--socket-group``). The gRPC health service goes
+NOT_SERVING first on shutdown, open streams get ``drain_seconds`` to finish, and the
+warm workers are joined before the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.node import Node
+from spanwarm.daemon.notify import notify
+from spanwarm.daemon.service import WarmerService
+from spanwarm.errors import SpanwarmError
+from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+
+__all__ = ["StartupError", "run", "serve"]
+
+logger = logging.getLogger("spanwarm.daemon")
+
+WARMER = warmer_pb2.DESCRIPTOR.services_by_name["Warmer"].full_name
+MAX_MESSAGE = 512 * 2**20  # a 4M-span request is ~40 MB
+
+
+class StartupError(SpanwarmError):
+    """The daemon cannot start: one line says why."""
+
+
+def _prepare_socket_path(path: str) -> None:
+    """Create the socket's directory; refuse a live daemon; clear a stale socket."""
+    parent = Path(path).parent
+    if not parent.exists():
+        # /run/spanwarm must let group members reach the socket; a private dir need not.
+        parent.mkdir(mode=0o755 if os.geteuid() == 0 else 0o700, parents=True)
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # left behind by a daemon that died
+            return
+    raise StartupError(f"another daemon is already serving on {path}")
+
+
+def _open_to_group(path: str, group: str) -> None:
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise StartupError(f"--socket-group {group!r}: no such group") from None
+    os.chown(path, -1, gid)
+    os.chmod(path, 0o660)
+
+
+async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = None) -> int:
+    """Serve until SIGTERM or SIGINT; return the exit status."""
+    node = Node(config)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ]
+    )
+    service = WarmerService(node, config)
+    warmer_pb2_grpc.add_WarmerServicer_to_server(service, server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    reflection.enable_server_reflection(
+        (WARMER, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+
+    _prepare_socket_path(config.socket)
+    previous = os.umask(0o177)  # the socket is born 0600: no window between bind and chmod
+    try:
+        if not server.add_insecure_port(f"unix:{config.socket}"):
+            raise StartupError(f"cannot bind {config.socket}")
+        if config.listen and not server.add_insecure_port(config.listen):
+            raise StartupError(f"cannot listen on {config.listen}")
+        await server.start()
+    finally:
+        os.umask(previous)
+    if config.socket_group:
+        _open_to_group(config.socket, config.socket_group)
+    node.start()
+    for name in ("", WARMER):
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    logger.info(
+        "serving on %s%s (method %s, %d workers, allowed roots: %s)",
+        config.socket,
+        f" and {config.listen}" if config.listen else "",
+        node.method,
+        config.workers,
+        ", ".join(config.allow) or "any",
+    )
+    notify("READY=1")
+    if on_ready is not None:
+        on_ready()
+    await stop.wait()
+
+    notify("STOPPING=1")
+    logger.info(
+        "shutting down: draining %d streams for up to %.1f s", service.streams, config.drain_seconds
+    )
+    await health_service.enter_graceful_shutdown()
+    service.draining = True
+    try:
+        await asyncio.wait_for(service.idle.wait(), config.drain_seconds)
+    except TimeoutError:
+        logger.warning(
+            "%d streams still open after %.1f s; cancelling them",
+            service.streams,
+            config.drain_seconds,
+        )
+    await server.stop(grace=1.0)
+    await node.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(config.socket)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(signum)
+    logger.info("stopped")
+    return 0
+
+
+def run(config: DaemonConfig) -> int:
+    """Run the daemon on uvloop when it is installed, plain asyncio otherwise."""
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(config))

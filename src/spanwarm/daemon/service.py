@@ -1,0 +1,127 @@
+"""The gRPC servicer: translates between protobuf messages and the node, nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from spanwarm import __version__
+from spanwarm.costmodel import FilePlan
+from spanwarm.daemon.admission import admit
+from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.node import FAILED, READY, Event, Node, Request
+from spanwarm.errors import SpanwarmError
+from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+
+__all__ = ["WarmerService"]
+
+logger = logging.getLogger("spanwarm.daemon")
+
+
+def _file_plan(plan: FilePlan | dict[str, Any]) -> Any:
+    fields = plan.to_json() if isinstance(plan, FilePlan) else plan
+    return warmer_pb2.FilePlan(
+        path=fields["path"],
+        size_bytes=fields["size_bytes"],
+        needed_bytes=fields["needed_bytes"],
+        num_runs=fields["num_runs"],
+        cost_bytes=fields["cost_bytes"],
+        decision=fields["decision"],
+        warm_bytes=fields["warm_bytes"],
+    )
+
+
+class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
+    def __init__(self, node: Node, config: DaemonConfig) -> None:
+        self.node = node
+        self.config = config
+        self.draining = False
+        self.streams = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def Warm(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        try:
+            # stat/open may block on a network mount, and 1M spans take a while to index.
+            live = await asyncio.to_thread(self._admit, request)
+        except SpanwarmError as exc:
+            logger.info("refused a request from job %r rank %d: %s", request.job, request.rank, exc)
+            await context.abort(grpc.StatusCode[exc.grpc_code], str(exc))
+        self.node.register(live)
+        self.streams += 1
+        self.idle.clear()
+        try:
+            yield warmer_pb2.WarmEvent(
+                plan=warmer_pb2.Plan(
+                    request_bytes=live.nbytes,
+                    seek_cost_bytes=self.config.seek_cost,
+                    files=[_file_plan(p) for p in self.node.plan_of(live)],
+                )
+            )
+            while True:
+                async for message in _drain(live):
+                    yield message
+                    if message.HasField("done"):
+                        return
+        finally:
+            self.node.release(live)
+            self.streams -= 1
+            if not self.streams:
+                self.idle.set()
+
+    def _admit(self, request: Any) -> Request:
+        return Request(admit(request, self.node.files, self.config), self.node.chunk)
+
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        s = self.node.status()
+        return warmer_pb2.StatusReply(
+            version=__version__,
+            uptime_s=s["uptime_s"],
+            method=s["method"],
+            workers=s["workers"],
+            seek_cost_bytes=s["seek_cost_bytes"],
+            ranks=[warmer_pb2.RankStatus(**r) for r in s["ranks"]],
+            files=[_file_plan(f) for f in s["files"]],
+            bytes_requested=s["bytes_requested"],
+            bytes_planned=s["bytes_planned"],
+            bytes_warm=s["bytes_warm"],
+            bytes_read_total=s["bytes_read_total"],
+            bytes_verified_total=s["bytes_verified_total"],
+            throughput_bytes_per_s=s["throughput_bytes_per_s"],
+            eta_s=s["eta_s"],
+            queue_depth=s["queue_depth"],
+            in_flight=s["in_flight"],
+        )
+
+
+async def _drain(live: Request) -> AsyncIterator[Any]:
+    """Wait for the next event, then send it with every event already queued behind it:
+    ready groups coalesce into one message."""
+    events = [await live.events.get()]
+    while not live.events.empty():
+        events.append(live.events.get_nowait())
+    ready = [g for e in events if e.kind == "ready" for g in e.groups]
+    if ready:
+        yield warmer_pb2.WarmEvent(ready=warmer_pb2.Ready(groups=ready))
+    for event in events:
+        if event.kind == "failed":
+            yield _failed(event)
+    for event in events:
+        if event.kind == "done":
+            yield warmer_pb2.WarmEvent(
+                done=warmer_pb2.Done(
+                    ready=int((live.state == READY).sum()), failed=int((live.state == FAILED).sum())
+                )
+            )
+
+
+def _failed(event: Event) -> Any:
+    return warmer_pb2.WarmEvent(
+        failed=warmer_pb2.Failed(groups=list(event.groups), code=event.code, reason=event.reason)
+    )

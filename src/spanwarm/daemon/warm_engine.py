@@ -1,0 +1,272 @@
+"""The blocking warm primitive: bring byte ranges of an open file into the page cache.
+
+The daemon runs :meth:`WarmEngine.warm` on worker threads. Every call that does I/O or
+waits releases the GIL (``os.preadv``, ``os.posix_fadvise``, ctypes ``CDLL`` calls), so the
+threads overlap. Ranges are cut into pieces at absolute multiples of ``chunk_bytes``: an
+aligned piece spans at most ``chunk_bytes / PAGE`` pages, which is what the kernel's cap on
+one WILLNEED call (the device read-ahead window) counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import enum
+import errno
+import functools
+import math
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from spanwarm.errors import FileChangedError
+from spanwarm.residency import PAGE, residency_trusted, resident_bytes
+
+__all__ = ["WarmEngine", "WarmMethod", "default_method", "populate_supported"]
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+; not in the mmap module of Python 3.11
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+# HINT: pieces hinted ahead of the one being confirmed, so the device has a queue.
+_HINTS_AHEAD = 4
+# HINT: how long to wait for a hinted piece before reading it. A piece larger than the
+# device's read-ahead window is only partly read by its hint, so give up early when
+# residency stops growing; a pread then waits only for what is missing.
+_HINT_WAIT_S = 2.0
+_HINT_STALL_S = 0.05
+_POLL_MIN_S = 0.001
+_POLL_MAX_S = 0.02
+
+
+class WarmMethod(enum.StrEnum):
+    """How pages are brought in."""
+
+    POPULATE = "populate"  # mmap + MADV_POPULATE_READ: synchronous, no copy to user space
+    READ = "read"  # pread into a per-thread buffer: synchronous, works everywhere
+    HINT = "hint"  # POSIX_FADV_WILLNEED, then confirm with mincore or a read
+
+
+@functools.cache
+def populate_supported() -> bool:
+    """Whether ``madvise(MADV_POPULATE_READ)`` works here (EINVAL before Linux 5.14)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    addr = _libc.mmap(None, PAGE, mmap.PROT_READ, flags, -1, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return False
+    try:
+        return bool(_libc.madvise(addr, PAGE, _MADV_POPULATE_READ) == 0)
+    finally:
+        _libc.munmap(addr, PAGE)
+
+
+def default_method() -> WarmMethod:
+    """POPULATE where the kernel has it (least CPU), else READ."""
+    return WarmMethod.POPULATE if populate_supported() else WarmMethod.READ
+
+
+def _fd_name(fd: int) -> str:
+    link = f"/proc/self/fd/{fd}"
+    try:
+        return os.readlink(link)
+    except OSError:
+        return link
+
+
+def _past_end(fd: int, offset: int) -> FileChangedError:
+    size = os.fstat(fd).st_size
+    return FileChangedError(
+        _fd_name(fd), f"file ended at {size} bytes while warming", offset=max(offset, size)
+    )
+
+
+class WarmEngine:
+    """Warms byte ranges with one :class:`WarmMethod`; safe to share between threads.
+
+    ``throttle_bytes_per_s`` caps the aggregate rate over all threads (a test knob, so
+    per-tensor readiness can be observed). ``bytes_warmed`` totals every call.
+    """
+
+    def __init__(
+        self,
+        method: WarmMethod,
+        *,
+        chunk_bytes: int = 8 * 2**20,
+        throttle_bytes_per_s: float | None = None,
+    ) -> None:
+        try:
+            method = WarmMethod(method)
+        except ValueError:
+            choices = ", ".join(m.value for m in WarmMethod)
+            raise ValueError(f"method: {method!r} is not one of {choices}") from None
+        if method is WarmMethod.POPULATE and not populate_supported():
+            raise ValueError("method: populate needs MADV_POPULATE_READ (Linux 5.14+)")
+        if (
+            isinstance(chunk_bytes, bool)
+            or not isinstance(chunk_bytes, int)
+            or chunk_bytes <= 0
+            or chunk_bytes % PAGE
+        ):
+            raise ValueError(
+                f"chunk_bytes: must be a positive multiple of the page size {PAGE}, "
+                f"got {chunk_bytes!r}"
+            )
+        if throttle_bytes_per_s is not None and not (
+            isinstance(throttle_bytes_per_s, int | float)
+            and math.isfinite(throttle_bytes_per_s)
+            and throttle_bytes_per_s > 0
+        ):
+            raise ValueError(
+                f"throttle_bytes_per_s: must be a positive number or None, "
+                f"got {throttle_bytes_per_s!r}"
+            )
+        self.method = method
+        self.chunk_bytes = chunk_bytes
+        self.throttle_bytes_per_s = throttle_bytes_per_s
+        self._lock = threading.Lock()
+        self._bytes_warmed = 0
+        self._next_allowed = 0.0  # monotonic time the throttle lets the next piece start
+        self._local = threading.local()
+
+    @property
+    def bytes_warmed(self) -> int:
+        """Bytes warmed by every call so far."""
+        with self._lock:
+            return self._bytes_warmed
+
+    def warm(self, fd: int, ranges: Sequence[tuple[int, int]]) -> int:
+        """Bring each ``[start, stop)`` of open file ``fd`` into the page cache.
+
+        Returns the bytes warmed (the sum of the range lengths). Raises FileChangedError
+        when the file is shorter than a range, before or during the I/O; other OSErrors
+        (EIO ...) propagate unchanged.
+        """
+        total = 0
+        for start, stop in ranges:
+            if start < 0 or stop < start:
+                raise ValueError(f"ranges: [{start}, {stop}) is not a byte range")
+            total += stop - start
+        size = os.fstat(fd).st_size
+        for start, stop in ranges:
+            if stop > size and stop > start:
+                raise FileChangedError(
+                    _fd_name(fd),
+                    f"range [{start}, {stop}) ends past the end of the file ({size} bytes)",
+                    offset=max(start, size),
+                )
+        if self.method is WarmMethod.HINT:
+            self._warm_hinted(fd, self._pieces(ranges))
+        else:
+            warm_piece = self._populate if self.method is WarmMethod.POPULATE else self._read
+            for off, end in self._pieces(ranges):
+                warm_piece(fd, off, end)
+                self._done(end - off)
+        return total
+
+    def _pieces(self, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+        chunk = self.chunk_bytes
+        for start, stop in ranges:
+            off = start
+            while off < stop:
+                end = min(stop, (off // chunk + 1) * chunk)
+                yield off, end
+                off = end
+
+    def _done(self, nbytes: int) -> None:
+        """Count a finished piece, then sleep as long as the throttle asks."""
+        rate = self.throttle_bytes_per_s
+        wait = 0.0
+        with self._lock:
+            self._bytes_warmed += nbytes
+            if rate is not None:
+                now = time.monotonic()
+                self._next_allowed = max(self._next_allowed, now) + nbytes / rate
+                wait = self._next_allowed - now
+        if wait > 0:
+            time.sleep(wait)
+
+    def _populate(self, fd: int, off: int, end: int) -> None:
+        # The exact-range hint first: on its own, a fault on a missing page reads a whole
+        # read-ahead window around it (8 MiB here, FADV_RANDOM or not), which turns small
+        # spans into many MiB. With the hint the faults only wait for pages in flight.
+        os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
+        start = off - off % PAGE
+        length = end - start
+        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap: {os.strerror(err)}")
+        try:
+            err = 0 if _libc.madvise(addr, length, _MADV_POPULATE_READ) == 0 else ctypes.get_errno()
+        finally:
+            _libc.munmap(addr, length)
+        if err == errno.EFAULT and os.fstat(fd).st_size < end:
+            raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS
+        if err:
+            raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
+
+    def _read(self, fd: int, off: int, end: int) -> None:
+        buf: memoryview | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(self.chunk_bytes))
+        while off < end:
+            got = os.preadv(fd, [buf[: end - off]], off)
+            if got == 0:
+                raise _past_end(fd, off)
+            off += got
+
+    def _warm_hinted(self, fd: int, pieces: Iterator[tuple[int, int]]) -> None:
+        trusted = residency_trusted(fd)
+        hinted: collections.deque[tuple[int, int]] = collections.deque()
+        for off, end in pieces:
+            os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
+            hinted.append((off, end))
+            if len(hinted) > _HINTS_AHEAD:
+                self._confirm(fd, *hinted.popleft(), trusted=trusted)
+        while hinted:
+            self._confirm(fd, *hinted.popleft(), trusted=trusted)
+
+    def _confirm(self, fd: int, off: int, end: int, *, trusted: bool) -> None:
+        """Wait for a hinted piece to be resident; read it when mincore cannot tell or stalls."""
+        if trusted and self._wait_resident(fd, off, end):
+            self._done(end - off)
+            return
+        # A read of cached pages is a memcpy; it blocks only on pages not yet in.
+        self._read(fd, off, end)
+        self._done(end - off)
+
+    @staticmethod
+    def _wait_resident(fd: int, off: int, end: int) -> bool:
+        length = end - off
+        now = time.monotonic()
+        deadline = now + _HINT_WAIT_S
+        last, last_progress = -1, now
+        delay = _POLL_MIN_S
+        while True:
+            resident = resident_bytes(fd, off, length)
+            if resident == length:
+                return True
+            now = time.monotonic()
+            if resident > last:
+                last, last_progress = resident, now
+            if now >= deadline or now - last_progress >= _HINT_STALL_S:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)

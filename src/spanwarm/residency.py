@@ -1,0 +1,145 @@
+"""Page-cache residency of file byte ranges, and eviction from the page cache.
+
+Residency comes from ``mincore(2)`` on a fresh shared mapping, which reports a page only
+once it is uptodate (``cachestat(2)`` also counts pages still being read). The kernel makes
+mincore report every page present unless the caller owns the file, may write it, or is
+privileged, so check :func:`residency_trusted` before believing it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import time
+
+import numpy as np
+
+__all__ = ["PAGE", "evict", "file_residency", "residency_trusted", "resident_bytes"]
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+# Gap between DONTNEED attempts: pages still under readahead I/O survive one call.
+_EVICT_RETRY_S = 0.03
+
+
+def _errno_error(call: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def resident_bytes(fd: int, offset: int, length: int) -> int:
+    """Bytes of ``[offset, offset + length)`` of open file ``fd`` that are in the page cache.
+
+    A partly covered first or last page counts for the bytes of the range it holds, so a
+    fully resident range gives exactly ``length``. Bytes past the end of the file are never
+    resident. ``fd`` must be open for reading.
+    """
+    if offset < 0 or length < 0:
+        raise ValueError(f"offset and length must be >= 0, got {offset} and {length}")
+    end = min(offset + length, os.fstat(fd).st_size)
+    if end <= offset:
+        return 0
+    start = offset - offset % PAGE
+    map_len = end - start
+    addr = _libc.mmap(None, map_len, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if addr is None or addr == _MAP_FAILED:
+        raise _errno_error("mmap")
+    try:
+        pages = (map_len + PAGE - 1) // PAGE
+        vec = bytearray(pages)
+        if _libc.mincore(addr, map_len, (ctypes.c_ubyte * pages).from_buffer(vec)) != 0:
+            raise _errno_error("mincore")
+    finally:
+        _libc.munmap(addr, map_len)
+    bits = np.frombuffer(vec, dtype=np.uint8) & 1
+    resident = int(bits.sum()) * PAGE
+    # Trim the parts of the first and last page that lie outside the range.
+    if bits[0]:
+        resident -= offset - start
+    if bits[-1]:
+        resident -= start + pages * PAGE - end
+    return resident
+
+
+def residency_trusted(path_or_fd: int | str | os.PathLike[str]) -> bool:
+    """Whether mincore tells this process the truth about the file.
+
+    The kernel reveals residency only to the owner, to whoever may write the file, or to
+    root; everyone else is told every page is present.
+    """
+    euid = os.geteuid()
+    if euid == 0:
+        return True
+    if isinstance(path_or_fd, int):
+        st_uid = os.fstat(path_or_fd).st_uid
+        # Unreadable after a uid change (not dumpable): access() then says no, which is safe.
+        path: str | os.PathLike[str] = f"/proc/self/fd/{path_or_fd}"
+    else:
+        st_uid = os.stat(path_or_fd).st_uid
+        path = path_or_fd
+    return st_uid == euid or os.access(path, os.W_OK, effective_ids=True)
+
+
+def file_residency(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(resident bytes, size) of the whole file at ``path``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        return resident_bytes(fd, 0, size), size
+    finally:
+        os.close(fd)
+
+
+def evict(
+    path: str | os.PathLike[str], offset: int = 0, length: int = 0, *, attempts: int = 20
+) -> None:
+    """Drop ``[offset, offset + length)`` of ``path`` from the page cache and check it left.
+
+    ``length`` 0 means to the end of the file, as for ``posix_fadvise``. DONTNEED skips
+    pages still under I/O (and dirty ones until written back), so it is repeated until
+    mincore shows nothing resident; RuntimeError after ``attempts`` tries, or at once when
+    mincore cannot be trusted for this file. DONTNEED drops only folios lying wholly inside
+    the range, and buffered writes leave 2 MiB folios on ext4 (Linux 6.18), so a sub-range
+    of a freshly written file may never go: evict the whole file first.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    name = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if not residency_trusted(fd):
+            raise RuntimeError(f"{name}: cannot verify eviction, mincore is not trusted here")
+        span = length if length else max(os.fstat(fd).st_size - offset, 0)
+        os.fdatasync(fd)  # dirty pages cannot be dropped
+        resident = 0
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(_EVICT_RETRY_S)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            resident = resident_bytes(fd, offset, span)
+            if resident == 0:
+                return
+    finally:
+        os.close(fd)
+    raise RuntimeError(
+        f"{name}: {resident} bytes of [{offset}, {offset + span}) still resident "
+        f"after {attempts} DONTNEED attempts"
+    )

@@ -1,0 +1,332 @@
+"""A real daemon on a temporary socket, real files, real page cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from spanwarm.client import Client, TensorSpans
+from spanwarm.residency import resident_bytes
+from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+from tests.daemon_harness import cold_file, running_daemon
+
+MiB = 2**20
+
+
+def span(name: str, path: Path, offset: int, length: int) -> TensorSpans:
+    return TensorSpans(name, str(path), offset, length, length, 1)
+
+
+def resident(path: Path, offset: int, length: int) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident_bytes(fd, offset, length)
+    finally:
+        os.close(fd)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_two_ranks_share_reads_and_only_needed_bytes_get_warm(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 96 * MiB)
+    os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_RANDOM)
+    with running_daemon("--method", "read", "--seek-cost", "0", "--throttle", "64MiB") as daemon:
+        a, b = Client(daemon.socket), Client(daemon.socket)
+        rank0 = a.request(
+            [span("a1", path, 0, 8 * MiB), span("a2", path, 8 * MiB, 16 * MiB)], rank=0
+        )
+        rank1 = b.request([span("b1", path, 16 * MiB, 24 * MiB)], rank=1)
+        assert rank0.wait(timeout=30)
+        assert rank1.wait(timeout=30)
+        needed = 40 * MiB
+        warm = resident(path, 0, needed)
+        cold_tail = resident(path, 64 * MiB, 32 * MiB)
+        status = a.status()
+        assert rank0.progress.ready == 2
+        assert rank1.progress.ready == 1
+        a.close()
+        b.close()
+    assert warm >= needed * 0.995, warm
+    assert cold_tail <= 32 * MiB * 0.05, cold_tail
+    # The 8 MiB both ranks need is read from storage once: no byte twice.
+    assert status["bytes_read_total"] <= needed
+    assert status["bytes_read_total"] + status["bytes_verified_total"] >= needed
+
+
+def test_first_tensor_is_ready_long_before_the_last(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 32 * MiB)
+    spans = [span(f"t{i}", path, i * 4 * MiB, 4 * MiB) for i in range(8)]
+    with running_daemon(
+        "--method", "read", "--throttle", "32MiB", "--chunk-size", "4MiB"
+    ) as daemon:
+        client = Client(daemon.socket)
+        start = time.monotonic()
+        ticket = client.request(spans, rank=0)
+        assert ticket.wait(["t0"], timeout=30)
+        first = time.monotonic() - start
+        assert not ticket.ready("t7")
+        assert ticket.progress.ready < 8
+        assert ticket.wait(timeout=30)
+        total = time.monotonic() - start
+        client.close()
+    assert ticket.progress.ready == 8
+    assert first < total / 2, (first, total)
+
+
+def test_a_rank_that_goes_away_releases_its_interest(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 64 * MiB)
+    spans = [span(f"t{i}", path, i * 4 * MiB, 4 * MiB) for i in range(16)]
+    flags = ("--method", "read", "--throttle", "16MiB", "--chunk-size", "4MiB", "--workers", "2")
+    with running_daemon(*flags) as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(spans, rank=0)
+        assert ticket.wait(["t0"], timeout=30)
+        ticket.cancel()
+        # Reads already in flight finish; nothing queued starts.
+        wait_for(lambda: not client.status()["ranks"] and client.status()["in_flight"] == 0)
+        status = client.status()
+        assert status["queue_depth"] == 0
+        assert status["files"] == []
+        read_after_cancel = status["bytes_read_total"]
+        time.sleep(0.5)
+        assert client.status()["bytes_read_total"] == read_after_cancel
+        client.close()
+    assert read_after_cancel < 32 * MiB
+    assert resident(path, 48 * MiB, 16 * MiB) < 16 * MiB * 0.1
+
+
+def test_no_daemon_means_everything_released_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = cold_file(tmp_path / "f", 4 * MiB)
+    client = Client(str(tmp_path / "nobody.sock"), timeout=2)
+    with caplog.at_level(logging.WARNING, logger="spanwarm.client"):
+        ticket = client.request([span("x", path, 0, MiB), span("y", path, MiB, MiB)], rank=0)
+        assert ticket.wait(timeout=10)
+        assert ticket.finished.wait(5)
+    assert ticket.progress.failed == 2
+    assert ticket.progress.ready == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "UNAVAILABLE" in warnings[0]
+
+
+def test_disabled_client_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPANWARM_DISABLE", "1")
+    ticket = Client(str(tmp_path / "nobody.sock")).request([span("x", tmp_path / "f", 0, 1)])
+    assert ticket.ready("x")
+    assert ticket.wait(timeout=0)
+
+
+def test_daemon_killed_mid_warm_releases_the_job(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = cold_file(tmp_path / "f", 32 * MiB)
+    with running_daemon("--method", "read", "--throttle", "4MiB", "--chunk-size", "1MiB") as daemon:
+        client = Client(daemon.socket)
+        with caplog.at_level(logging.WARNING, logger="spanwarm.client"):
+            ticket = client.request([span(f"t{i}", path, i * MiB, MiB) for i in range(32)], rank=0)
+            assert ticket.wait(["t0"], timeout=30)
+            daemon.process.kill()
+            assert ticket.wait(timeout=10)
+            assert ticket.finished.wait(5)
+        client.close()
+    assert 1 <= ticket.progress.ready < 32
+    assert any("UNAVAILABLE" in r.getMessage() for r in caplog.records)
+
+
+def test_an_error_answer_releases_the_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = cold_file(tmp_path / "f", MiB)
+    with running_daemon() as daemon, caplog.at_level(logging.WARNING, logger="spanwarm.client"):
+        client = Client(daemon.socket)
+        ticket = client.request([span("x", path, 0, 2 * MiB)], rank=0)
+        assert ticket.wait(timeout=10)
+        client.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "OUT_OF_RANGE" in warnings[0]
+    assert str(path) in warnings[0]
+
+
+def _request(
+    files: list[str], spans: list[tuple[int, int, int, int, int]], **fields: object
+) -> warmer_pb2.WarmRequest:
+    request = warmer_pb2.WarmRequest(job="t", rank=0, files=files, groups=["g"])
+    for file_index, offset, length, stride, count in spans:
+        request.file_index.append(file_index)
+        request.offset.append(offset)
+        request.length.append(length)
+        request.stride.append(stride)
+        request.count.append(count)
+        request.group_index.append(0)
+    for name, value in fields.items():
+        getattr(request, name)[:] = value
+    return request
+
+
+def test_bad_input_gets_its_own_status_code_and_the_daemon_keeps_serving(tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    good = cold_file(allowed / "good", MiB)
+    outside = cold_file(tmp_path / "outside", MiB)
+    (allowed / "escape").symlink_to(outside)
+    os.mkfifo(allowed / "fifo")
+    (allowed / "dir").mkdir()
+    g, one = str(good), (0, 0, 10, 10, 1)
+    cases = [
+        (
+            "ragged columns",
+            _request([g], [one], length=[1, 2]),
+            "INVALID_ARGUMENT",
+            "differ in length",
+        ),
+        ("relative path", _request(["rel/file"], [one]), "INVALID_ARGUMENT", "must be absolute"),
+        ("file index", _request([g], [(3, 0, 1, 1, 1)]), "INVALID_ARGUMENT", "file_index 3"),
+        ("group index", _request([g], [one], group_index=[5]), "INVALID_ARGUMENT", "group_index 5"),
+        (
+            "outside roots",
+            _request([str(outside)], [one]),
+            "PERMISSION_DENIED",
+            "outside the allowed roots",
+        ),
+        (
+            "symlink escape",
+            _request([str(allowed / "escape")], [one]),
+            "PERMISSION_DENIED",
+            str(outside),
+        ),
+        ("missing", _request([str(allowed / "nope")], [one]), "NOT_FOUND", "no such file"),
+        (
+            "fifo",
+            _request([str(allowed / "fifo")], [one]),
+            "FAILED_PRECONDITION",
+            "not a regular file",
+        ),
+        (
+            "directory",
+            _request([str(allowed / "dir")], [one]),
+            "FAILED_PRECONDITION",
+            "not a regular file",
+        ),
+        (
+            "past the end",
+            _request([g], [(0, MiB - 4, 8, 8, 1)]),
+            "OUT_OF_RANGE",
+            f"{g}: span ends at",
+        ),
+        (
+            "strided past the end",
+            _request([g], [(0, 0, 8, MiB // 2, 3)]),
+            "OUT_OF_RANGE",
+            "past the end",
+        ),
+        (
+            "too many spans",
+            _request([g], [one] * 11),
+            "RESOURCE_EXHAUSTED",
+            "11 spans exceed the limit of 10",
+        ),
+        (
+            "too many files",
+            _request([g, g, g], [one]),
+            "RESOURCE_EXHAUSTED",
+            "3 files exceed the limit of 2",
+        ),
+    ]
+    flags = ("--allow", str(allowed), "--max-spans", "10", "--max-files", "2")
+    with (
+        running_daemon(*flags) as daemon,
+        grpc.insecure_channel(f"unix:{daemon.socket}") as channel,
+    ):
+        stub = warmer_pb2_grpc.WarmerStub(channel)
+        for label, request, code, fragment in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Warm(request, timeout=10))
+            assert info.value.code().name == code, label
+            assert fragment in (info.value.details() or ""), (label, info.value.details())
+        events = list(stub.Warm(_request([g], [one]), timeout=10))
+        status = stub.Status(warmer_pb2.StatusRequest(), timeout=5)
+    assert events[0].HasField("plan")
+    assert events[-1].HasField("done")
+    assert events[-1].done.ready == 1
+    assert status.version
+
+
+def test_a_file_that_shrinks_fails_its_groups_only(tmp_path: Path) -> None:
+    shrinking = cold_file(tmp_path / "a", 16 * MiB)
+    steady = cold_file(tmp_path / "b", 16 * MiB, seed=1)
+    spans = [span(f"a{i}", shrinking, i * MiB, MiB) for i in range(16)]
+    spans += [span(f"b{i}", steady, i * MiB, MiB) for i in range(16)]
+    with running_daemon("--method", "read", "--throttle", "8MiB", "--chunk-size", "1MiB") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(spans, rank=0)
+        assert ticket.wait(["a0"], timeout=30)
+        os.truncate(shrinking, 4 * MiB)
+        assert ticket.wait(timeout=60)
+        client.close()
+    failed = set(ticket.failures)
+    assert failed
+    assert all(name.startswith("a") for name in failed)
+    assert all(
+        "ABORTED" in reason and str(shrinking) in reason for reason in ticket.failures.values()
+    )
+    assert all(ticket.ready(f"b{i}") for i in range(16))
+    assert ticket.progress.ready >= 16
+
+
+def test_sigterm_drains_and_exits_0_with_systemd_notifications(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "f", 8 * MiB)
+    with running_daemon("--method", "read", "--throttle", "8MiB", "--chunk-size", "1MiB") as daemon:
+        mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        client = Client(daemon.socket)
+        ticket = client.request([span(f"t{i}", path, i * MiB, MiB) for i in range(8)], rank=0)
+        assert ticket.wait(["t0"], timeout=30)
+        results: dict[str, bool] = {}
+        waiter = threading.Thread(target=lambda: results.setdefault("all", ticket.wait(timeout=30)))
+        waiter.start()
+        assert daemon.stop() == 0
+        waiter.join(30)
+        client.close()
+        notes = daemon.read_notifications(0.5)
+        socket_left = os.path.exists(daemon.socket)
+    assert mode == 0o600
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert notes[:1] == ["READY=1"]
+    assert "STOPPING=1" in notes
+    assert results["all"]
+    assert ticket.progress.ready == 8  # the open stream was drained
+    assert not socket_left
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused(tmp_path: Path) -> None:
+    with running_daemon() as daemon:
+        import subprocess
+        import sys
+
+        second = subprocess.run(
+            [sys.executable, "-m", "spanwarm", "serve", "--socket", daemon.socket],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert second.returncode == 1
+    assert "another daemon is already serving" in second.stderr

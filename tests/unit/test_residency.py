@@ -1,0 +1,175 @@
+"""Residency and eviction against real files in tmp_path.
+
+Idle page cache on the dev VM loses a few pages within seconds (DAMON), so MiB-sized
+assertions allow 0.5 % loss; page-sized ones are exact.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spanwarm.residency import PAGE, evict, file_residency, residency_trusted, resident_bytes
+
+MiB = 2**20
+LOSS = 0.005
+
+
+def write_file(path: Path, size: int) -> Path:
+    with path.open("wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+@pytest.fixture
+def cold(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """An evicted 8 MiB + 100 byte file (the tail page is partial) and a read-only fd."""
+    path = write_file(tmp_path / "f.bin", 8 * MiB + 100)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads bring in nothing else
+    try:
+        yield path, fd
+    finally:
+        os.close(fd)
+
+
+def test_written_pages_are_resident_and_evict_drops_them(tmp_path: Path) -> None:
+    path = write_file(tmp_path / "f.bin", 8 * MiB + 100)
+    resident, size = file_residency(path)
+    assert size == 8 * MiB + 100
+    assert size * (1 - LOSS) <= resident <= size
+    evict(path)
+    assert file_residency(path) == (0, size)
+
+
+def test_a_read_range_is_resident_to_the_byte(cold: tuple[Path, int]) -> None:
+    _, fd = cold
+    os.pread(fd, 3 * PAGE, PAGE)  # pages 1, 2 and 3
+    assert resident_bytes(fd, PAGE, 3 * PAGE) == 3 * PAGE
+    assert resident_bytes(fd, 0, 5 * PAGE) == 3 * PAGE
+    # Partial first and last pages count for the bytes of the range they hold.
+    assert resident_bytes(fd, PAGE - 10, 20) == 10
+    assert resident_bytes(fd, 4 * PAGE - 7, 20) == 7
+    assert resident_bytes(fd, PAGE + 5, 10) == 10
+    assert resident_bytes(fd, 2 * PAGE + 1, 2 * PAGE) == 2 * PAGE - 1
+    assert resident_bytes(fd, 5 * PAGE, PAGE) == 0
+
+
+def test_the_partial_tail_page_and_bytes_past_the_end(cold: tuple[Path, int]) -> None:
+    _, fd = cold
+    size = os.fstat(fd).st_size
+    os.pread(fd, 100, 8 * MiB)  # the last, partial page
+    assert resident_bytes(fd, 8 * MiB, 100) == 100
+    assert resident_bytes(fd, 8 * MiB + 50, 50) == 50
+    # The mapping runs past the end of the file; nothing there is resident.
+    assert resident_bytes(fd, size, 3 * PAGE) == 0
+
+
+def test_evicting_a_sub_range_leaves_the_rest(tmp_path: Path) -> None:
+    path = write_file(tmp_path / "f.bin", 8 * MiB)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Written pages sit in 2 MiB folios that a smaller DONTNEED cannot split; reading
+        # under FADV_RANDOM caches the file in single pages instead.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.preadv(fd, [bytearray(8 * MiB)], 0)
+        evict(path, 2 * MiB + PAGE, MiB)
+        assert resident_bytes(fd, 2 * MiB + PAGE, MiB) == 0
+        # Straddles the hole: 2 MiB asked, 1 MiB of it evicted, unaligned both ends.
+        start, length = MiB + PAGE + 3, 2 * MiB
+        expected = length - MiB
+        assert expected * (1 - LOSS) <= resident_bytes(fd, start, length) <= expected
+        # The last 6 bytes before the hole are resident, the hole's first page is not.
+        assert resident_bytes(fd, 2 * MiB + PAGE - 6, 6 + PAGE) == 6
+    finally:
+        os.close(fd)
+
+
+def test_zero_length_and_negative_arguments(cold: tuple[Path, int]) -> None:
+    _, fd = cold
+    assert resident_bytes(fd, 123, 0) == 0
+    with pytest.raises(ValueError, match="offset and length"):
+        resident_bytes(fd, -1, 10)
+    with pytest.raises(ValueError, match="offset and length"):
+        resident_bytes(fd, 0, -10)
+
+
+def test_resident_bytes_raises_oserror_with_errno(tmp_path: Path) -> None:
+    path = write_file(tmp_path / "f.bin", PAGE)
+    fd = os.open(path, os.O_WRONLY)  # a shared read mapping needs a readable fd
+    try:
+        with pytest.raises(OSError, match="mmap") as info:
+            resident_bytes(fd, 0, PAGE)
+        assert info.value.errno == errno.EACCES
+    finally:
+        os.close(fd)
+
+
+def test_evict_names_the_file_when_pages_stay(tmp_path: Path) -> None:
+    # DONTNEED skips pages mapped into a process, so eviction cannot succeed here.
+    path = write_file(tmp_path / "pinned.bin", 4 * PAGE)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        assert mapped[PAGE] == path.read_bytes()[PAGE]
+        with pytest.raises(RuntimeError, match=r"pinned\.bin: [1-9]\d* bytes .* still resident"):
+            evict(path, attempts=2)
+    with pytest.raises(ValueError, match="attempts"):
+        evict(path, attempts=0)
+
+
+def test_residency_is_trusted_for_a_file_we_own(tmp_path: Path) -> None:
+    path = write_file(tmp_path / "f.bin", PAGE)
+    assert residency_trusted(path)
+    assert residency_trusted(str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert residency_trusted(fd)
+    finally:
+        os.close(fd)
+
+
+def _as_nobody(fd: int, size: int) -> tuple[bool, int]:
+    """residency_trusted and resident_bytes of ``fd`` seen from a child running as uid 65534."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        status = 1
+        try:
+            os.close(read_end)
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            answer = f"{int(residency_trusted(fd))} {resident_bytes(fd, 0, size)}"
+            os.write(write_end, answer.encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    trusted, resident = answer.split()
+    return trusted == "1", int(resident)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+def test_mincore_lies_to_a_process_that_may_not_write_the_file(tmp_path: Path) -> None:
+    path = write_file(tmp_path / "f.bin", 64 * PAGE)
+    os.chmod(path, 0o644)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Root-owned, not writable by nobody: told that every page is present.
+        assert _as_nobody(fd, 64 * PAGE) == (False, 64 * PAGE)
+        os.chown(path, 65534, 65534)
+        assert _as_nobody(fd, 64 * PAGE) == (True, 0)
+    finally:
+        os.close(fd)

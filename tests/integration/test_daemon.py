@@ -14,7 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import resident_bytes
+from spanwarm.residency import evict, resident_bytes
+from spanwarm.safetensors_header import read_header
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from tests.daemon_harness import cold_file, running_daemon
 
@@ -330,3 +331,101 @@ def test_a_second_daemon_on_the_same_socket_is_refused(tmp_path: Path) -> None:
         )
     assert second.returncode == 1
     assert "another daemon is already serving" in second.stderr
+
+
+@pytest.mark.parametrize("method", ["populate", "read", "hint"])
+def test_each_warm_method_makes_exactly_the_spans_resident(tmp_path: Path, method: str) -> None:
+    path = cold_file(tmp_path / "f", 48 * MiB)
+    spans = [span("a", path, 0, 6 * MiB), span("b", path, 8 * MiB + 4096, 5 * MiB)]
+    with running_daemon("--method", method, "--seek-cost", "0") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(spans, rank=0)
+        assert ticket.wait(timeout=30)
+        first, second = resident(path, 0, 6 * MiB), resident(path, 8 * MiB + 4096, 5 * MiB)
+        tail = resident(path, 24 * MiB, 24 * MiB)
+        status = client.status()
+        client.close()
+    assert ticket.progress.ready == 2
+    assert status["method"] == method
+    assert first >= 6 * MiB * 0.995
+    assert second >= 5 * MiB * 0.995
+    assert tail <= 24 * MiB * 0.05
+
+
+def test_status_and_warm_commands(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path = cold_file(tmp_path / "f", 8 * MiB)
+    with running_daemon() as daemon:
+        spanwarm = [sys.executable, "-m", "spanwarm"]
+        warm = subprocess.run(
+            [*spanwarm, "warm", f"{path}:1MiB:2MiB", str(path), "--socket", daemon.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        status = subprocess.run(
+            [*spanwarm, "status", "--json", "--socket", daemon.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        table = subprocess.run(
+            [*spanwarm, "status", "--socket", daemon.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    gone = subprocess.run(
+        [*spanwarm, "status", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert warm.returncode == 0, warm.stderr
+    assert "warmed 2 of 2 targets, 10.0 MiB" in warm.stdout
+    assert f"{path}: whole" in warm.stdout
+    document = json.loads(status.stdout)
+    assert document["bytes_read_total"] + document["bytes_verified_total"] >= 8 * MiB
+    assert document["ranks"] == []
+    assert "planned" in table.stdout
+    assert gone.returncode == 1
+    assert "no daemon answering" in gone.stderr
+
+
+def test_request_spans_warms_a_ranks_dtensor_slices(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4096, 2048, dtype=torch.bfloat16)}, str(path))  # 16 MiB
+    evict(path)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        meta = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
+        state = {"w": distribute_tensor(meta, mesh, [Shard(0)], src_data_rank=None)}
+        with running_daemon("--method", "read") as daemon:
+            client = Client(daemon.socket)
+            ticket = client.request_spans(state, path, job="job-a")
+            assert ticket.wait(timeout=30)
+            data_start = read_header(path).data_start
+            mine = resident(path, data_start + 4 * MiB, 4 * MiB)
+            others = resident(path, data_start + 10 * MiB, 6 * MiB)
+            client.close()
+    finally:
+        dist.destroy_process_group()
+    assert ticket.progress.ready == 1
+    assert ticket.plan[0]["needed_bytes"] == 4 * MiB
+    assert mine >= 4 * MiB * 0.995
+    assert others <= 6 * MiB * 0.05

@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spanwarm.client import Client, TensorSpans
 from spanwarm.residency import evict, resident_bytes
-from spanwarm.safetensors_header import read_header
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+from spanwarm.safetensors_header import read_header
 from tests.daemon_harness import cold_file, running_daemon
 
 MiB = 2**20
@@ -71,9 +71,9 @@ def test_two_ranks_share_reads_and_only_needed_bytes_get_warm(tmp_path: Path) ->
 def test_first_tensor_is_ready_long_before_the_last(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "ckpt.safetensors", 32 * MiB)
     spans = [span(f"t{i}", path, i * 4 * MiB, 4 * MiB) for i in range(8)]
-    with running_daemon(
-        "--method", "read", "--throttle", "32MiB", "--chunk-size", "4MiB"
-    ) as daemon:
+    # Two workers: t0 and t1 go first; the order of reads in flight together is up to the kernel.
+    flags = ("--method", "read", "--throttle", "32MiB", "--chunk-size", "4MiB", "--workers", "2")
+    with running_daemon(*flags) as daemon:
         client = Client(daemon.socket)
         start = time.monotonic()
         ticket = client.request(spans, rank=0)

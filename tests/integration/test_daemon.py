@@ -429,3 +429,77 @@ def test_request_spans_warms_a_ranks_dtensor_slices(tmp_path: Path) -> None:
     assert ticket.plan[0]["needed_bytes"] == 4 * MiB
     assert mine >= 4 * MiB * 0.995
     assert others <= 6 * MiB * 0.05
+
+
+def test_group_socket_tcp_health_and_reflection(tmp_path: Path) -> None:
+    import grp
+    import socket as socketlib
+
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with socketlib.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    group = grp.getgrgid(os.getgid()).gr_name
+    flags = ("--socket-group", group, "--allow", str(tmp_path), "--listen", f"127.0.0.1:{port}")
+    with running_daemon(*flags) as daemon:
+        st = os.stat(daemon.socket)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
+            health = health_pb2_grpc.HealthStub(tcp).Check(
+                health_pb2.HealthCheckRequest(service="spanwarm.v1.Warmer"), timeout=5
+            )
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            (reply,) = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+    assert stat.S_IMODE(st.st_mode) == 0o660
+    assert st.st_gid == os.getgid()
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    services = {s.name for s in reply.list_services_response.service}
+    assert {"spanwarm.v1.Warmer", "grpc.health.v1.Health"} <= services
+
+
+def test_root_cannot_open_the_socket_to_a_group_without_allowed_roots() -> None:
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("the rule is for a daemon running as root")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spanwarm",
+            "serve",
+            "--socket",
+            "/tmp/never.sock",
+            "--socket-group",
+            "root",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "needs --allow roots" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_status_watch_runs_until_interrupted(tmp_path: Path) -> None:
+    import signal as signals
+    import subprocess
+    import sys
+
+    with running_daemon() as daemon:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "spanwarm", "status", "--watch", "--socket", daemon.socket],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(2.0)
+        watch.send_signal(signals.SIGINT)
+        out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    assert "planned" in out

@@ -8,41 +8,19 @@ privileged, so check :func:`residency_trusted` before believing it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 import os
 import time
 
 import numpy as np
 
+from spanwarm.memory_map import mapped, mincore
+
 __all__ = ["PAGE", "evict", "file_residency", "residency_trusted", "resident_bytes"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
 # Gap between DONTNEED attempts: pages still under readahead I/O survive one call.
 _EVICT_RETRY_S = 0.03
-
-
-def _errno_error(call: str) -> OSError:
-    err = ctypes.get_errno()
-    return OSError(err, f"{call}: {os.strerror(err)}")
 
 
 def resident_bytes(fd: int, offset: int, length: int) -> int:
@@ -59,16 +37,9 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
         return 0
     start = offset - offset % PAGE
     map_len = end - start
-    addr = _libc.mmap(None, map_len, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-    if addr is None or addr == _MAP_FAILED:
-        raise _errno_error("mmap")
-    try:
-        pages = (map_len + PAGE - 1) // PAGE
-        vec = bytearray(pages)
-        if _libc.mincore(addr, map_len, (ctypes.c_ubyte * pages).from_buffer(vec)) != 0:
-            raise _errno_error("mincore")
-    finally:
-        _libc.munmap(addr, map_len)
+    with mapped(fd, start, map_len) as addr:
+        vec = mincore(addr, map_len)
+    pages = len(vec)
     bits = np.frombuffer(vec, dtype=np.uint8) & 1
     resident = int(bits.sum()) * PAGE
     # Trim the parts of the first and last page that lie outside the range.

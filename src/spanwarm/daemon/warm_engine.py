@@ -10,8 +10,6 @@ one WILLNEED call (the device read-ahead window) counts.
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import enum
 import errno
 import functools
@@ -23,27 +21,10 @@ import time
 from collections.abc import Iterator, Sequence
 
 from spanwarm.errors import FileChangedError
+from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped
 from spanwarm.residency import PAGE, residency_trusted, resident_bytes
 
 __all__ = ["WarmEngine", "WarmMethod", "default_method", "populate_supported"]
-
-_MADV_POPULATE_READ = 22  # Linux 5.14+; not in the mmap module of Python 3.11
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 # HINT: pieces hinted ahead of the one being confirmed, so the device has a queue.
 _HINTS_AHEAD = 4
@@ -67,14 +48,11 @@ class WarmMethod(enum.StrEnum):
 @functools.cache
 def populate_supported() -> bool:
     """Whether ``madvise(MADV_POPULATE_READ)`` works here (EINVAL before Linux 5.14)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    addr = _libc.mmap(None, PAGE, mmap.PROT_READ, flags, -1, 0)
-    if addr is None or addr == _MAP_FAILED:
-        return False
     try:
-        return bool(_libc.madvise(addr, PAGE, _MADV_POPULATE_READ) == 0)
-    finally:
-        _libc.munmap(addr, PAGE)
+        with mapped(-1, 0, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as addr:
+            return madvise(addr, PAGE, MADV_POPULATE_READ) == 0
+    except OSError:
+        return False
 
 
 def default_method() -> WarmMethod:
@@ -209,14 +187,8 @@ class WarmEngine:
         os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
         start = off - off % PAGE
         length = end - start
-        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        if addr is None or addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap: {os.strerror(err)}")
-        try:
-            err = 0 if _libc.madvise(addr, length, _MADV_POPULATE_READ) == 0 else ctypes.get_errno()
-        finally:
-            _libc.munmap(addr, length)
+        with mapped(fd, start, length) as addr:
+            err = madvise(addr, length, MADV_POPULATE_READ)
         if err == errno.EFAULT and os.fstat(fd).st_size < end:
             raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS
         if err:

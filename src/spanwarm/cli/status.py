@@ -58,7 +58,15 @@ def render(status: dict[str, Any]) -> Group:
             f"{format_bytes(r['bytes_ready'])} of {format_bytes(r['bytes_requested'])}",
         )
     files = Table(
-        "file", "size", "needed", "runs", "decision", "planned", title="files", title_justify="left"
+        "file",
+        "size",
+        "needed",
+        "runs",
+        "decision",
+        "",
+        "warm",
+        title="files",
+        title_justify="left",
     )
     for f in status["files"]:
         files.add_row(
@@ -67,7 +75,8 @@ def render(status: dict[str, Any]) -> Group:
             format_bytes(f["needed_bytes"]),
             str(f["num_runs"]),
             f["decision"],
-            format_bytes(f["warm_bytes"]),
+            ProgressBar(total=max(f["warm_bytes"], 1), completed=f["warm_now_bytes"], width=20),
+            f"{format_bytes(f['warm_now_bytes'])} of {format_bytes(f['warm_bytes'])}",
         )
     parts: list[Any] = [summary]
     if status["ranks"]:

@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 
 from spanwarm import __version__
-from spanwarm.costmodel import FilePlan
 from spanwarm.daemon.admission import admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.node import FAILED, READY, Event, Node, Request
@@ -22,17 +21,11 @@ __all__ = ["WarmerService"]
 logger = logging.getLogger("spanwarm.daemon")
 
 
-def _file_plan(plan: FilePlan | dict[str, Any]) -> Any:
-    fields = plan.to_json() if isinstance(plan, FilePlan) else plan
-    return warmer_pb2.FilePlan(
-        path=fields["path"],
-        size_bytes=fields["size_bytes"],
-        needed_bytes=fields["needed_bytes"],
-        num_runs=fields["num_runs"],
-        cost_bytes=fields["cost_bytes"],
-        decision=fields["decision"],
-        warm_bytes=fields["warm_bytes"],
-    )
+_PLAN_FIELDS = tuple(warmer_pb2.FilePlan.DESCRIPTOR.fields_by_name)
+
+
+def _file_plan(fields: dict[str, Any]) -> Any:
+    return warmer_pb2.FilePlan(**{k: v for k, v in fields.items() if k in _PLAN_FIELDS})
 
 
 class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
@@ -61,7 +54,7 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
                 plan=warmer_pb2.Plan(
                     request_bytes=live.nbytes,
                     seek_cost_bytes=self.config.seek_cost,
-                    files=[_file_plan(p) for p in self.node.plan_of(live)],
+                    files=[_file_plan(p.to_json()) for p in self.node.plan_of(live)],
                 )
             )
             while True:
@@ -79,24 +72,14 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
         return Request(admit(request, self.node.files, self.config), self.node.chunk)
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        s = self.node.status()
+        status = self.node.status()
         return warmer_pb2.StatusReply(
             version=__version__,
-            uptime_s=s["uptime_s"],
-            method=s["method"],
-            workers=s["workers"],
-            seek_cost_bytes=s["seek_cost_bytes"],
-            ranks=[warmer_pb2.RankStatus(**r) for r in s["ranks"]],
-            files=[_file_plan(f) for f in s["files"]],
-            bytes_requested=s["bytes_requested"],
-            bytes_planned=s["bytes_planned"],
-            bytes_warm=s["bytes_warm"],
-            bytes_read_total=s["bytes_read_total"],
-            bytes_verified_total=s["bytes_verified_total"],
-            throughput_bytes_per_s=s["throughput_bytes_per_s"],
-            eta_s=s["eta_s"],
-            queue_depth=s["queue_depth"],
-            in_flight=s["in_flight"],
+            **{
+                **status,
+                "ranks": [warmer_pb2.RankStatus(**r) for r in status["ranks"]],
+                "files": [_file_plan(f) for f in status["files"]],
+            },
         )
 
 

@@ -71,8 +71,41 @@ class Cell:
     waiters: set[Request] = field(default_factory=set)
 
 
+def _touches(
+    table: SpanTable, groups: npt.NDArray[np.int64], size: int, chunk: int, file_id: int
+) -> tuple[npt.NDArray[np.int64], ...]:
+    """Every (file, cell, lo, hi, group, span) where a span has bytes in a cell: [lo, hi)
+    is the hull of that span's rows inside the cell."""
+    keep = (table.length > 0) & (table.count > 0)
+    span_ids = np.flatnonzero(keep)
+    off, length = table.offset[keep], table.length[keep]
+    stride = np.where(table.stride[keep] > 0, table.stride[keep], 1)
+    count = np.where(table.stride[keep] > 0, table.count[keep], 1)
+    end = off + (count - 1) * stride + length
+    first_cell, last_cell = off // chunk, (end - 1) // chunk
+    cells_per_span = last_cell - first_cell + 1
+    pair = np.repeat(np.arange(len(off)), cells_per_span)
+    cell = np.repeat(first_cell, cells_per_span) + (
+        np.arange(len(pair)) - np.repeat(np.cumsum(cells_per_span) - cells_per_span, cells_per_span)
+    )
+    o, ln, st, ct = off[pair], length[pair], stride[pair], count[pair]
+    c0 = cell * chunk
+    c1 = np.minimum(c0 + chunk, size)
+    first_row = np.maximum(0, (c0 - o - ln) // st + 1)  # first row ending past c0
+    last_row = np.minimum(ct - 1, (c1 - 1 - o) // st)  # last row starting before c1
+    hit = first_row <= last_row
+    lo = np.maximum(c0, o + first_row * st)[hit]
+    hi = np.minimum(c1, o + last_row * st + ln)[hit]
+    span = span_ids[pair[hit]]
+    return (np.full(len(span), file_id, np.int64), cell[hit], lo, hi, groups[span], span)
+
+
 class Request:
-    """A rank's live interest: its spans, what each group waits for, its event queue."""
+    """A rank's live interest: its spans, what each group waits for, its event queue.
+
+    Per cell it touches (a *row*): the hull of its bytes there, and the groups waiting
+    for it (flat arrays, CSR-style: a million spans stay a few hundred bytes each).
+    """
 
     _ids = itertools.count(1)
 
@@ -87,10 +120,9 @@ class Request:
         self.state = np.zeros(len(self.groups), dtype=np.int8)
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)
         self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)
-        self.hulls: dict[CellKey, Range] = {}
-        self._cell_rows: dict[CellKey, int] = {}
-        self._row_groups: list[npt.NDArray[np.int64]] = []
-        order: list[tuple[int, CellKey]] = []
+        self.finished = False
+        unique: dict[OpenFile, int] = {}
+        parts = []
         for position, file in enumerate(admitted.files):
             table = admitted.spans[position]
             groups = admitted.span_groups[position]
@@ -98,74 +130,52 @@ class Request:
                 SpanTable.concat([self.files[file], table]) if file in self.files else table
             )
             np.add.at(self.group_bytes, groups, table.length * table.count)
-            order.extend(self._index_cells(file, table, groups, chunk))
-        order.sort(key=lambda item: item[0])
-        self.queue: collections.deque[CellKey] = collections.deque(key for _, key in order)
-        self.pending: set[CellKey] = set(self.hulls)
-        self.finished = False
+            index = unique.setdefault(file, len(unique))
+            parts.append(_touches(table, groups, file.size, chunk, index))
+        self._index(parts, list(unique))
 
-    def _index_cells(
-        self, file: OpenFile, table: SpanTable, groups: npt.NDArray[np.int64], chunk: int
-    ) -> list[tuple[int, CellKey]]:
-        """Record the hull and groups of every cell the spans touch; return (first span, cell)."""
-        keep = (table.length > 0) & (table.count > 0)
-        span_ids = np.flatnonzero(keep)
-        off, length = table.offset[keep], table.length[keep]
-        stride = np.where(table.stride[keep] > 0, table.stride[keep], 1)
-        count = np.where(table.stride[keep] > 0, table.count[keep], 1)
-        if not len(off):
-            return []
-        end = off + (count - 1) * stride + length
-        first_cell, last_cell = off // chunk, (end - 1) // chunk
-        cells_per_span = last_cell - first_cell + 1
-        pair_span = np.repeat(np.arange(len(off)), cells_per_span)
-        pair_cell = np.repeat(first_cell, cells_per_span) + (
-            np.arange(len(pair_span))
-            - np.repeat(np.cumsum(cells_per_span) - cells_per_span, cells_per_span)
+    def _index(self, parts: list[tuple[npt.NDArray[np.int64], ...]], files: list[OpenFile]) -> None:
+        """Group (file, cell, lo, hi, group, span) pairs into rows: one per cell touched."""
+        file_id, cell, lo, hi, group, span = (
+            np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64)
+            for i in range(6)
         )
-        o, ln, st, ct = off[pair_span], length[pair_span], stride[pair_span], count[pair_span]
-        c0 = pair_cell * chunk
-        c1 = np.minimum(c0 + chunk, file.size)
-        first_row = np.maximum(0, (c0 - o - ln) // st + 1)  # first row ending past c0
-        last_row = np.minimum(ct - 1, (c1 - 1 - o) // st)
-        touches = first_row <= last_row
-        pair_span, pair_cell = pair_span[touches], pair_cell[touches]
-        lo = np.maximum(c0, o + first_row * st)[touches]
-        hi = np.minimum(c1, o + last_row * st + ln)[touches]
-        pair_group = groups[span_ids[pair_span]]
-
-        # One row per cell: hull and first span; groups as CSR rows.
-        order = np.lexsort((pair_group, pair_cell))
-        pair_cell, pair_group = pair_cell[order], pair_group[order]
-        lo, hi, pair_span = lo[order], hi[order], span_ids[pair_span][order]
-        heads = np.flatnonzero(np.r_[True, pair_cell[1:] != pair_cell[:-1]])
-        cell_lo = np.minimum.reduceat(lo, heads)
-        cell_hi = np.maximum.reduceat(hi, heads)
-        cell_first = np.minimum.reduceat(pair_span, heads)
-        unique_pair = np.r_[
-            True, (pair_cell[1:] != pair_cell[:-1]) | (pair_group[1:] != pair_group[:-1])
+        order = np.lexsort((group, cell, file_id))
+        file_id, cell, lo, hi, group, span = (
+            a[order] for a in (file_id, cell, lo, hi, group, span)
+        )
+        new_row = np.ones(len(cell), dtype=bool)
+        new_row[1:] = (cell[1:] != cell[:-1]) | (file_id[1:] != file_id[:-1])
+        heads = np.flatnonzero(new_row)
+        if len(heads):
+            self.hull_lo = np.minimum.reduceat(lo, heads)
+            self.hull_hi = np.maximum.reduceat(hi, heads)
+            first_span = np.minimum.reduceat(span, heads)
+        else:
+            self.hull_lo = self.hull_hi = first_span = np.zeros(0, np.int64)
+        distinct = new_row.copy()
+        distinct[1:] |= group[1:] != group[:-1]
+        row_of_pair = np.cumsum(new_row) - 1
+        self._group_flat = group[distinct].astype(np.int32)
+        self._group_ptr = np.searchsorted(row_of_pair[distinct], np.arange(len(heads) + 1))
+        np.add.at(self.remaining, self._group_flat, 1)
+        self.cells: list[CellKey] = [
+            (files[f], c)
+            for f, c in zip(file_id[heads].tolist(), cell[heads].tolist(), strict=True)
         ]
-        np.add.at(self.remaining, pair_group[unique_pair], 1)
-        bounds = np.r_[heads, len(pair_cell)]
-        out = []
-        for row, cell in enumerate(pair_cell[heads].tolist()):
-            key = (file, cell)
-            start, stop = int(bounds[row]), int(bounds[row + 1])
-            groups_here = np.unique(pair_group[start:stop])
-            if key in self.hulls:  # the same file listed twice in one request
-                old_lo, old_hi = self.hulls[key]
-                self.hulls[key] = (min(old_lo, int(cell_lo[row])), max(old_hi, int(cell_hi[row])))
-                existing = self._row_groups[self._cell_rows[key]]
-                self._row_groups[self._cell_rows[key]] = np.union1d(existing, groups_here)
-                continue
-            self.hulls[key] = (int(cell_lo[row]), int(cell_hi[row]))
-            self._cell_rows[key] = len(self._row_groups)
-            self._row_groups.append(groups_here)
-            out.append((int(cell_first[row]), key))
-        return out
+        self._row = {key: row for row, key in enumerate(self.cells)}
+        self.queue: collections.deque[CellKey] = collections.deque(
+            self.cells[row] for row in np.argsort(first_span, kind="stable").tolist()
+        )
+        self.pending: set[CellKey] = set(self.cells)
 
-    def cell_groups(self, key: CellKey) -> npt.NDArray[np.int64]:
-        return self._row_groups[self._cell_rows[key]]
+    def hull(self, key: CellKey) -> Range:
+        row = self._row[key]
+        return int(self.hull_lo[row]), int(self.hull_hi[row])
+
+    def cell_groups(self, key: CellKey) -> npt.NDArray[np.int32]:
+        row = self._row[key]
+        return self._group_flat[self._group_ptr[row] : self._group_ptr[row + 1]]
 
     @property
     def nbytes(self) -> int:
@@ -263,7 +273,7 @@ class Node:
         self._requests.append(request)
         for file in request.files:
             self._users.setdefault(file, set()).add(request)
-        for key in request.hulls:
+        for key in request.cells:
             self._cells.setdefault(key, Cell()).waiters.add(request)
         self._replan(request.files)
         empty = np.flatnonzero(request.remaining == 0)
@@ -278,7 +288,7 @@ class Node:
         if request not in self._requests:
             return
         self._requests.remove(request)
-        for key in request.hulls:
+        for key in request.cells:
             cell = self._cells.get(key)
             if cell is not None:
                 cell.waiters.discard(request)
@@ -330,7 +340,7 @@ class Node:
         return _clip(plan.runs.pairs(), max(lo, c0), min(hi, c0 + self.chunk))
 
     def _satisfied(self, request: Request, key: CellKey) -> bool:
-        lo, hi = request.hulls[key]
+        lo, hi = request.hull(key)
         valid = _union((a, b) for a, b, t in self._cells[key].warm if t >= request.arrival)
         return not _subtract(self._planned(key, lo, hi), valid)
 
@@ -339,8 +349,9 @@ class Node:
         waiters = [r for r in cell.waiters if key in r.pending]
         if not waiters:  # background: whatever of the plan was never warmed
             return _subtract(self._planned(key, 0, 2**62), _union((a, b) for a, b, _ in cell.warm))
-        lo = min(r.hulls[key][0] for r in waiters)
-        hi = max(r.hulls[key][1] for r in waiters)
+        hulls = [r.hull(key) for r in waiters]
+        lo = min(h[0] for h in hulls)
+        hi = max(h[1] for h in hulls)
         since = max(r.arrival for r in waiters)
         return _subtract(
             self._planned(key, lo, hi), _union((a, b) for a, b, t in cell.warm if t >= since)

@@ -127,7 +127,8 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
     await health_service.enter_graceful_shutdown()
     service.draining = True
     try:
-        await asyncio.wait_for(service.idle.wait(), config.drain_seconds)
+        if service.streams:
+            await asyncio.wait_for(service.idle.wait(), config.drain_seconds)
     except TimeoutError:
         logger.warning(
             "%d streams still open after %.1f s; cancelling them",

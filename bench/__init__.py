@@ -1,0 +1,1 @@
+"""Benchmarks and their helpers (not part of the installed package)."""

@@ -1,0 +1,309 @@
+"""End to end, the seed's scenario scaled to this machine.
+
+    .venv/bin/python bench/bench_end_to_end.py [--mounts local,cross-region] [--reps 3]
+
+A synthetic MoE + dense checkpoint (packed experts, or one tensor per expert) in 10
+shards; a job of 4 nodes x 2 local ranks, whose 2 local ranks (node 0) run here as
+processes with meta DTensors: TP x FSDP (2x4 mesh) for attention and embeddings, EP over
+8 ranks for the experts. Each rank loads its own slices through safetensors. Arms, one
+after another on a freshly evicted page cache, interleaved per repetition:
+
+- (a) ``none``: no prefetch;
+- (b) ``whole``: the seed's base PR, ``files[local_rank::local_world]`` read fully, then load;
+- (c) ``spanwarm``: the daemon warms the node's spans; ranks wait per tensor.
+
+Reported per arm: wall time until both local ranks have loaded, time to each rank's
+first tensor, bytes read from storage (the emulated mount's counter; on ``local`` the
+block device's read counter, which anything else reading meanwhile adds to), and peak
+page cache used by the checkpoint (sampled with mincore).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spanwarm.client import Client
+from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.residency import evict, file_residency
+from spanwarm.sample_checkpoint import write_sharded_checkpoint
+from spanwarm.units import format_bytes
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE, VOCAB = 2048, 8, 32, 768, 32000
+WORLD, LOCAL_WORLD = 8, 2
+ARMS = ("none", "whole", "spanwarm")
+
+
+def build_checkpoint(directory: Path, layout: str) -> list[Path]:
+    """Write (once) the MoE checkpoint with random bytes; reuse it when it is there."""
+    marker = directory / "complete"
+    if marker.exists():
+        return sorted(directory.glob("*.safetensors"))
+    shutil.rmtree(directory, ignore_errors=True)
+    rng = np.random.default_rng(0)
+
+    def tensor(*shape: int) -> tuple[str, tuple[int, ...], bytes]:
+        return (
+            "BF16",
+            shape,
+            rng.integers(0, 256, int(np.prod(shape)) * 2, dtype=np.uint8).tobytes(),
+        )
+
+    tensors: dict[str, Any] = {"model.embed_tokens.weight": tensor(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        tensors[f"{p}.input_layernorm.weight"] = tensor(HIDDEN)
+        tensors[f"{p}.self_attn.q_proj.weight"] = tensor(HIDDEN, HIDDEN)
+        tensors[f"{p}.self_attn.k_proj.weight"] = tensor(HIDDEN // 4, HIDDEN)
+        tensors[f"{p}.self_attn.v_proj.weight"] = tensor(HIDDEN // 4, HIDDEN)
+        tensors[f"{p}.self_attn.o_proj.weight"] = tensor(HIDDEN, HIDDEN)
+        tensors[f"{p}.post_attention_layernorm.weight"] = tensor(HIDDEN)
+        tensors[f"{p}.mlp.gate.weight"] = tensor(EXPERTS, HIDDEN)
+        if layout == "packed":
+            tensors[f"{p}.mlp.experts.gate_up_proj"] = tensor(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN)
+            tensors[f"{p}.mlp.experts.down_proj"] = tensor(EXPERTS, HIDDEN, MOE_INTERMEDIATE)
+        else:
+            for e in range(EXPERTS):
+                for proj, shape in (
+                    ("gate_proj", (MOE_INTERMEDIATE, HIDDEN)),
+                    ("up_proj", (MOE_INTERMEDIATE, HIDDEN)),
+                    ("down_proj", (HIDDEN, MOE_INTERMEDIATE)),
+                ):
+                    tensors[f"{p}.mlp.experts.{e}.{proj}.weight"] = tensor(*shape)
+    tensors["model.norm.weight"] = tensor(HIDDEN)
+    tensors["lm_head.weight"] = tensor(VOCAB, HIDDEN)
+    total = sum(len(t[2]) for t in tensors.values())
+    paths = write_sharded_checkpoint(directory, tensors, shard_bytes=total // 10 + 1)
+    for path in paths:
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    marker.touch()
+    return paths
+
+
+class CacheSampler:
+    """Peak page cache held by the checkpoint files during a run (mincore every 100 ms),
+    and the largest node plan the daemon held (its Status, every 20 ms)."""
+
+    def __init__(self, paths: list[Path], socket: str | None) -> None:
+        self.paths = paths
+        self.peak = 0
+        self.planned = 0
+        self._socket = socket
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._sample_cache, daemon=True)]
+        if socket is not None:
+            self._threads.append(threading.Thread(target=self._sample_plan, daemon=True))
+
+    def _sample_cache(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, self.resident())
+
+    def _sample_plan(self) -> None:
+        client = Client(self._socket)
+        while not self._stop.wait(0.02):
+            self.planned = max(self.planned, client.status()["bytes_planned"])
+        client.close()
+
+    def resident(self) -> int:
+        return sum(file_residency(p)[0] for p in self.paths)
+
+    def __enter__(self) -> CacheSampler:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        self.peak = max(self.peak, self.resident())
+
+
+@contextlib.contextmanager
+def mounted(source: Path, preset: str) -> Iterator[tuple[Path, Any]]:
+    """The checkpoint as ranks see it: the directory itself, or an emulated mount of it."""
+    if preset == "local":
+        yield source, None
+        return
+    from bench.slowfs import fuse_available, mount
+
+    reason = fuse_available()
+    if reason is not None:
+        raise SystemExit(f"{preset}: skipped, FUSE is not available here ({reason})")
+    with (
+        tempfile.TemporaryDirectory(prefix="sw-mnt-") as mountpoint,
+        mount(source, Path(mountpoint), preset) as fs,
+    ):
+        yield Path(mountpoint), fs
+
+
+def device_bytes_read(path: Path) -> int:
+    """Bytes the block device under ``path`` has read since boot (/sys/dev/block/*/stat)."""
+    st = os.stat(path)
+    fields = (
+        Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat").read_text().split()
+    )
+    return int(fields[2]) * 512
+
+
+def storage_bytes(paths: list[Path], fs: Any) -> int:
+    """The emulated mount's counter, or the local block device's."""
+    return int(fs.stats()["bytes"]) if fs is not None else device_bytes_read(paths[0])
+
+
+def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
+    for path in paths:
+        evict(path)
+    barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
+    before = storage_bytes(paths, fs)
+    try:
+        with CacheSampler(paths, socket if arm == "spanwarm" else None) as sampler:
+            ranks = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "e2e_rank.py"),
+                        str(checkpoint),
+                        "--arm",
+                        arm,
+                        "--rank",
+                        str(r),
+                        "--local-rank",
+                        str(r),
+                        "--local-world",
+                        str(LOCAL_WORLD),
+                        "--world",
+                        str(WORLD),
+                        "--experts",
+                        str(EXPERTS),
+                        "--barrier",
+                        str(barrier),
+                        "--socket",
+                        socket,
+                    ],
+                    stdout=subprocess.PIPE,
+                    cwd=ROOT,
+                )
+                for r in range(LOCAL_WORLD)
+            ]
+            outputs = [p.communicate()[0] for p in ranks]
+        if any(p.returncode for p in ranks):
+            raise RuntimeError(f"{arm}: a rank failed ({[p.returncode for p in ranks]})")
+        results = [json.loads(out) for out in outputs]
+    finally:
+        shutil.rmtree(barrier, ignore_errors=True)
+    start = min(r["start"] for r in results)
+    wall = max(r["start"] + r["total_s"] for r in results) - start
+    storage = storage_bytes(paths, fs) - before
+    return {
+        "arm": arm,
+        "wall_s": wall,
+        "first_s": [r["first_s"] for r in results],
+        "storage_bytes": storage,
+        "peak_cache_bytes": sampler.peak,
+        "loaded_bytes": sum(r["bytes"] for r in results),
+        "planned_bytes": sampler.planned,
+    }
+
+
+def summarize(label: str, runs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"\n### {label}\n",
+        "| arm | wall (median, min-max) | first tensor, rank 0 / 1 (median) "
+        "| read from storage | peak page cache |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
+    for arm, rs in by_arm.items():
+        walls = [r["wall_s"] for r in rs]
+        firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(LOCAL_WORLD)]
+        lines.append(
+            f"| {arm} | {statistics.median(walls):.2f} s ({min(walls):.2f}-{max(walls):.2f}) | "
+            + " / ".join(f"{f * 1000:.0f} ms" for f in firsts)
+            + f" | {format_bytes(int(statistics.median(r['storage_bytes'] for r in rs)))} | "
+            f"{format_bytes(int(statistics.median(r['peak_cache_bytes'] for r in rs)))} |"
+        )
+    reps = len(by_arm["spanwarm"])
+    vs_whole = [by_arm["whole"][i]["wall_s"] / by_arm["spanwarm"][i]["wall_s"] for i in range(reps)]
+    vs_none = [by_arm["none"][i]["wall_s"] / by_arm["spanwarm"][i]["wall_s"] for i in range(reps)]
+    lines.append(
+        f"\nPaired ratios (same repetition), median: (b)/(c) = {statistics.median(vs_whole):.2f}x, "
+        f"(a)/(c) = {statistics.median(vs_none):.2f}x."
+    )
+    read = statistics.median(r["storage_bytes"] for r in by_arm["spanwarm"])
+    planned = statistics.median(r["planned_bytes"] for r in by_arm["spanwarm"])
+    lines.append(
+        f"spanwarm read {format_bytes(int(read))} from storage for a node plan of "
+        f"{format_bytes(int(planned))} (needed bytes plus bridged gaps): {read / planned:.3f}x."
+    )
+    first_total = [max(r["first_s"]) / r["wall_s"] for r in by_arm["spanwarm"]]
+    lines.append(
+        "Time to first tensor under (c), as a share of (c)'s wall time: "
+        f"{statistics.median(first_total):.1%}."
+    )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mounts", default="local,cross-region")
+    parser.add_argument("--layouts", default="packed,per-expert")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    command = "python bench/bench_end_to_end.py " + " ".join(sys.argv[1:])
+    lines = [f"\n## End to end: the seed's scenario\n\n```console\n{command}\n```"]
+    rng = random.Random(0)
+    for layout in args.layouts.split(","):
+        source = args.data / f"moe-{layout}"
+        paths = build_checkpoint(source, layout)
+        total = sum(p.stat().st_size for p in paths)
+        print(f"{layout}: {len(paths)} shards, {format_bytes(total)}", flush=True)
+        for preset in args.mounts.split(","):
+            with (
+                mounted(source, preset) as (checkpoint, fs),
+                spawn_daemon("--log-level", "warning") as daemon,
+            ):
+                mounted_paths = sorted(checkpoint.glob("*.safetensors"))
+                runs = []
+                for rep in range(args.reps):
+                    for arm in rng.sample(ARMS, len(ARMS)):
+                        result = run_arm(arm, checkpoint, mounted_paths, daemon.socket, fs)
+                        runs.append(result)
+                        print(
+                            f"  {preset} rep {rep} {arm}: {result['wall_s']:.2f} s, "
+                            f"read {format_bytes(result['storage_bytes'])}",
+                            flush=True,
+                        )
+            label = (
+                f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}`"
+            )
+            lines += summarize(label, runs)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""One local rank of the end-to-end benchmark (a process with meta DTensors).
+
+    python bench/e2e_rank.py CHECKPOINT --arm none|whole|spanwarm --rank R --local-rank L \
+        --local-world LW --world W --layout packed|per-expert --barrier DIR [--socket S]
+
+Builds the rank's meta state dict (TP x FSDP for attention and embeddings, EP for the
+experts), waits at a file barrier so that every local rank starts together, then loads
+its own slices through safetensors, tensor by tensor:
+
+- ``none``: straight from the checkpoint, cold;
+- ``whole``: the seed's base PR: first read ``files[local_rank::local_world]`` whole (4
+  threads, 16 MiB reads), then load;
+- ``spanwarm``: request the rank's spans from the daemon, wait per tensor, load.
+
+Prints one JSON line: start time (monotonic clock, comparable across processes),
+time to the first tensor, time to the last, bytes of slices loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from spanwarm import placements as model
+from spanwarm.client import Client
+from spanwarm.safetensors_header import Checkpoint, open_checkpoint
+
+TP = 4
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head")
+PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _to_model(placements: list[Placement]) -> list[model.Placement]:
+    return [model.Shard(p.dim) if isinstance(p, Shard) else model.Replicate() for p in placements]
+
+
+def build_state_dict(
+    checkpoint: Checkpoint, dense: DeviceMesh, experts: DeviceMesh, num_experts: int
+) -> dict[str, tuple[Any, list[Placement], DeviceMesh]]:
+    """Checkpoint key -> (meta tensor or DTensor, placements, mesh) for this rank."""
+    ep_coordinate = experts.get_coordinate()
+    assert ep_coordinate is not None
+    per_rank = num_experts // experts.size()
+    mine = range(ep_coordinate[0] * per_rank, (ep_coordinate[0] + 1) * per_rank)
+    state: dict[str, tuple[Any, list[Placement], DeviceMesh]] = {}
+    for name, pieces in checkpoint.pieces.items():
+        shape = pieces[0][1].shape
+        meta = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        found = PER_EXPERT.search(name)
+        if found:  # per-expert layout: the rank holds its own experts whole, no others
+            if int(found[1]) in mine:
+                state[name] = (meta, [], experts)
+            continue
+        placements: list[Placement]
+        mesh = dense
+        if ".experts." in name:  # packed [E, ...]: expert parallel
+            placements, mesh = [Shard(0)], experts
+        elif len(shape) == 1 or ".mlp.gate." in name:
+            placements = [Replicate(), Replicate()]
+        elif any(p in name for p in COLUMN_PARALLEL):
+            placements = [Shard(0), Shard(0)]
+        else:  # o_proj: row parallel, the slice is strided
+            placements = [Shard(0), Shard(1)]
+        state[name] = (
+            distribute_tensor(meta, mesh, placements, src_data_rank=None),
+            placements,
+            mesh,
+        )
+    return state
+
+
+def read_whole(paths: list[str]) -> None:
+    def read(path: str) -> None:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 * 2**20):
+                pass
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(read, paths))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--arm", choices=("none", "whole", "spanwarm"), required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True)
+    parser.add_argument("--local-world", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--experts", type=int, required=True)
+    parser.add_argument("--barrier", type=Path, required=True)
+    parser.add_argument("--socket")
+    args = parser.parse_args()
+
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    dense = init_device_mesh("cpu", (args.world // TP, TP))
+    experts = init_device_mesh("cpu", (args.world,))
+    checkpoint = open_checkpoint(args.checkpoint)
+    state = build_state_dict(checkpoint, dense, experts, args.experts)
+
+    (args.barrier / f"rank{args.local_rank}").touch()
+    while len(list(args.barrier.glob("rank*"))) < args.local_world:
+        time.sleep(0.002)
+    start = time.monotonic()
+
+    client = None
+    ticket = None
+    if args.arm == "whole":
+        read_whole(checkpoint.paths[args.local_rank :: args.local_world])
+    elif args.arm == "spanwarm":
+        client = Client(args.socket)
+        state_dict = {name: value for name, (value, _, _) in state.items()}
+        ticket = client.request_spans(state_dict, args.checkpoint, job="bench", unmatched="skip")
+
+    handles = {}
+    first = None
+    loaded = 0
+    for name, (value, placements, mesh) in state.items():
+        if ticket is not None:
+            ticket.wait([name])
+        header, info = checkpoint.pieces[name][0]
+        if header.path not in handles:
+            handles[header.path] = safe_open(header.path, framework="pt")
+        view = handles[header.path].get_slice(name)  # type: ignore[no-untyped-call]
+        if isinstance(value, DTensor):
+            coordinate = mesh.get_coordinate()
+            assert coordinate is not None
+            runs = model.local_index_runs(info.shape, mesh.shape, coordinate, _to_model(placements))
+        else:
+            runs = tuple(((0, size),) for size in info.shape)
+        for box in itertools.product(*runs):
+            # clone(): a contiguous slice can be a view of the mapping; copying reads it.
+            loaded += view[tuple(slice(a, b) for a, b in box)].clone().nbytes
+        if first is None:
+            first = time.monotonic() - start
+    total = time.monotonic() - start
+    if client is not None:
+        client.close()
+    print(
+        json.dumps(
+            {
+                "rank": args.rank,
+                "start": start,
+                "first_s": first,
+                "total_s": total,
+                "bytes": loaded,
+                "released": 0 if ticket is None else len(ticket.failures),
+                "pid": os.getpid(),
+            }
+        )
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""An emulated network mount for benchmarks: a read-only FUSE passthrough that adds latency
+and caps bandwidth the way a network filesystem with server-side streaming does.
+
+Cost model, per read request the kernel sends (after the page cache missed):
+
+- Latency: each open file handle has a stream, positioned where its previous read request
+  ended. A request that continues the stream (its offset is within ``STREAM_TOLERANCE``,
+  2 MiB, of that position either way: the kernel keeps several readahead requests in
+  flight and they may arrive slightly out of order) pays no latency; any other request is
+  a seek and pays ``latency_s`` before its bytes start to flow. The first request on a
+  handle is a seek. This is what the seed measured on its mount as "50 ms per seek".
+- Bandwidth: a request's bytes are reserved on its handle's clock
+  (``size / stream_bytes_per_s``) and on one clock for the whole mount
+  (``size / total_bytes_per_s``); each clock starts the reservation at the later of the
+  request's arrival (plus its latency) and the clock's next free time, so idle time earns
+  no credit. The request is answered when both reservations have ended.
+
+Requests sleep with ``time.sleep`` (which releases the GIL) on a multithreaded libfuse
+loop, so many are in flight at once. The mount uses ``kernel_cache``: cached pages survive
+close and reopen, as on a real mount, and ``posix_fadvise``/``mincore`` (hence
+:mod:`spanwarm.residency`) work on its files.
+
+Counters (bytes served, read requests, seeks; in total and per file, plus a histogram of
+request sizes and the most requests seen in flight) are served as JSON by the virtual file
+``.slowfs-stats`` at the mount root. It is opened ``direct_io`` so every read sees fresh
+numbers, and reading it is not counted.
+
+    with mount(src, mnt, "cross-region", latency_s=0.02) as fs:
+        fs.path("model.safetensors").read_bytes()
+        fs.stats()["bytes"]
+
+The filesystem itself runs in a child process (``python -m bench.slowfs``), so that its
+threads and sleeps never compete with the benchmark's own interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+__all__ = [
+    "PRESETS",
+    "STATS_NAME",
+    "STREAM_TOLERANCE",
+    "Preset",
+    "SlowFS",
+    "SlowFSOperations",
+    "fuse_available",
+    "mount",
+    "resolve_preset",
+    "serve",
+]
+
+STATS_NAME = ".slowfs-stats"
+STREAM_TOLERANCE = 2 << 20
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Kernel-side limits raised at mount: FUSE's default of 12 background (readahead) requests
+# for the whole mount would cap 8 concurrent streams, and libfuse's 10 worker threads the
+# requests a slow mount holds in flight.
+_MAX_BACKGROUND = 128
+_MAX_THREADS = 128
+_MAX_READ = 1 << 20
+_MOUNT_TIMEOUT_S = 10.0
+_UNMOUNT_ATTEMPTS = 5
+
+if TYPE_CHECKING:
+    _Operations = object
+else:
+    try:
+        from mfusepy import Operations as _Operations
+    except (ImportError, OSError):  # mfusepy absent, or libfuse3 missing: see fuse_available
+        _Operations = object
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Network characteristics of an emulated mount. ``None`` means no bandwidth cap."""
+
+    name: str
+    latency_s: float
+    stream_bytes_per_s: float | None
+    total_bytes_per_s: float | None
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        for knob in ("stream_bytes_per_s", "total_bytes_per_s"):
+            value = getattr(self, knob)
+            if value is not None and value <= 0:
+                raise ValueError(f"{knob} must be > 0 or None, got {value}")
+
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset
+    for preset in (
+        Preset("local", 0.0, None, None),
+        Preset("nfs-like", 0.001, 400e6, None),
+        # The seed's mount: a seek costs as much time as streaming ~12 MiB.
+        Preset("cross-region", 0.050, 0.24 * 2**30, None),
+    )
+}
+
+_KNOBS = ("latency_s", "stream_bytes_per_s", "total_bytes_per_s")
+
+
+def resolve_preset(preset: Preset | str, **overrides: float | None) -> Preset:
+    """``preset`` (a name from PRESETS, or a Preset) with some knobs overridden."""
+    base = PRESETS[preset] if isinstance(preset, str) else preset
+    unknown = set(overrides) - set(_KNOBS)
+    if unknown:
+        raise TypeError(f"unknown preset knobs {sorted(unknown)}; known: {list(_KNOBS)}")
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class _Counts:
+    bytes: int = 0
+    requests: int = 0
+    seeks: int = 0
+
+
+@dataclass(slots=True)
+class _Handle:
+    name: str  # path relative to the mount root
+    fd: int  # -1 for the stats file
+    snapshot: bytes = b""  # the stats file's content, fixed at open
+    stream_end: int | None = None  # where this handle's previous read request ended
+    next_free: float = 0.0  # this handle's bandwidth clock
+
+
+class SlowFSOperations(_Operations):
+    """mfusepy operations of a read-only passthrough over ``source`` with ``preset``'s costs.
+
+    Use with ``mfusepy.FUSE(..., raw_fi=True)``: open needs the fuse_file_info to set
+    ``direct_io`` on the stats file.
+    """
+
+    use_ns = True  # nanosecond timestamps (mfusepy warns otherwise)
+
+    def __init__(self, source: Path, preset: Preset) -> None:
+        self._source = source.resolve()
+        self._preset = preset
+        self._lock = threading.Lock()
+        self._handles: dict[int, _Handle] = {}
+        self._next_fh = 1
+        self._global_next_free = 0.0
+        self._totals = _Counts()
+        self._files: dict[str, _Counts] = {}
+        self._sizes: Counter[int] = Counter()
+        self._in_flight = 0
+        self._max_in_flight = 0
+
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        conn.max_read = _MAX_READ  # libfuse refuses to start unless it matches the option
+        conn.max_background = _MAX_BACKGROUND
+        conn.congestion_threshold = _MAX_BACKGROUND * 3 // 4
+        config.kernel_cache = 1
+
+    def _backing(self, path: str) -> Path:
+        return self._source / path.lstrip("/")
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, int]:
+        if path == "/" + STATS_NAME:
+            now = time.time_ns()
+            # Size 0 as in /proc: direct_io reads go to us whatever the size says.
+            return {
+                "st_mode": stat.S_IFREG | 0o444,
+                "st_nlink": 1,
+                "st_size": 0,
+                "st_atime": now,
+                "st_mtime": now,
+                "st_ctime": now,
+            }
+        st = os.stat(self._backing(path))
+        write_bits = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+        return {
+            "st_mode": st.st_mode & ~write_bits,
+            "st_nlink": st.st_nlink,
+            "st_size": st.st_size,
+            "st_uid": st.st_uid,
+            "st_gid": st.st_gid,
+            "st_blocks": st.st_blocks,
+            "st_atime": st.st_atime_ns,
+            "st_mtime": st.st_mtime_ns,
+            "st_ctime": st.st_ctime_ns,
+        }
+
+    def readdir(self, path: str, fh: int) -> list[str]:
+        names = [".", "..", *os.listdir(self._backing(path))]
+        if path == "/":
+            names.append(STATS_NAME)
+        return names
+
+    def access(self, path: str, amode: int) -> int:
+        if amode & os.W_OK:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        if path != "/" + STATS_NAME and not os.access(self._backing(path), amode):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return 0
+
+    def statfs(self, path: str) -> dict[str, int]:
+        sv = os.statvfs(self._source)
+        fields = (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        )
+        return {name: getattr(sv, name) for name in fields}
+
+    def open(self, path: str, fi: Any) -> int:
+        if fi.flags & os.O_ACCMODE != os.O_RDONLY:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        if path == "/" + STATS_NAME:
+            handle = _Handle(STATS_NAME, -1, snapshot=self._stats_json())
+            fi.direct_io = 1
+        else:
+            handle = _Handle(path.lstrip("/"), os.open(self._backing(path), os.O_RDONLY))
+            fi.keep_cache = 1  # as kernel_cache does: pages survive reopening
+        with self._lock:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = handle
+        fi.fh = fh
+        return 0
+
+    def release(self, path: str, fi: Any) -> int:
+        with self._lock:
+            handle = self._handles.pop(fi.fh)
+        if handle.fd >= 0:
+            os.close(handle.fd)
+        return 0
+
+    def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
+        arrival = time.monotonic()
+        handle = self._handles[fi.fh]
+        if handle.fd < 0:
+            return handle.snapshot[offset : offset + size]
+        with self._lock:
+            self._in_flight += 1
+            self._max_in_flight = max(self._max_in_flight, self._in_flight)
+        try:
+            data = os.pread(handle.fd, size, offset)
+            with self._lock:
+                done = self._charge(handle, offset, len(data), arrival)
+            delay = done - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            return data
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _charge(self, handle: _Handle, offset: int, size: int, arrival: float) -> float:
+        """Count a request and return when it completes under the cost model (lock held)."""
+        preset = self._preset
+        end = handle.stream_end
+        seek = end is None or abs(offset - end) > STREAM_TOLERANCE
+        handle.stream_end = offset + size
+        start = arrival + (preset.latency_s if seek else 0.0)
+        done = start
+        if preset.stream_bytes_per_s is not None:
+            handle.next_free = max(start, handle.next_free) + size / preset.stream_bytes_per_s
+            done = max(done, handle.next_free)
+        if preset.total_bytes_per_s is not None:
+            self._global_next_free = (
+                max(start, self._global_next_free) + size / preset.total_bytes_per_s
+            )
+            done = max(done, self._global_next_free)
+        self._sizes[size] += 1
+        per_file = self._files.setdefault(handle.name, _Counts())
+        for counts in (self._totals, per_file):
+            counts.bytes += size
+            counts.requests += 1
+            counts.seeks += seek
+        return done
+
+    def _stats_json(self) -> bytes:
+        with self._lock:
+            stats = {
+                "preset": dataclasses.asdict(self._preset),
+                "source": str(self._source),
+                **dataclasses.asdict(self._totals),
+                "max_in_flight": self._max_in_flight,
+                "open_handles": len(self._handles),
+                "request_sizes": {str(size): n for size, n in sorted(self._sizes.items())},
+                "files": {name: dataclasses.asdict(c) for name, c in sorted(self._files.items())},
+            }
+        return json.dumps(stats, indent=1).encode() + b"\n"
+
+
+def serve(source: Path, mountpoint: Path, preset: Preset, *, debug: bool = False) -> None:
+    """Mount ``source`` at ``mountpoint`` and serve in the foreground until unmounted."""
+    import mfusepy  # here, not at the top: only the server needs libfuse
+
+    mfusepy.FUSE(
+        SlowFSOperations(source, preset),
+        str(mountpoint),
+        raw_fi=True,
+        foreground=True,
+        debug=debug,
+        ro=True,
+        kernel_cache=True,
+        max_read=_MAX_READ,
+        max_threads=_MAX_THREADS,
+        fsname=f"slowfs:{source}",
+        subtype="slowfs",
+    )
+
+
+@dataclass(frozen=True)
+class SlowFS:
+    """A live emulated mount, as yielded by :func:`mount`."""
+
+    source: Path
+    mountpoint: Path
+    preset: Preset
+    pid: int
+
+    @property
+    def read_ahead_kb(self) -> int:
+        """The kernel's readahead window for this mount (it caps FUSE read request sizes)."""
+        return int(_bdi_file(self.mountpoint).read_text())
+
+    def path(self, name: str | os.PathLike[str]) -> Path:
+        """``name`` (relative to the source directory) inside the mount."""
+        return self.mountpoint / name
+
+    def stats(self) -> dict[str, Any]:
+        """The current counters (see the module docstring)."""
+        stats: dict[str, Any] = json.loads((self.mountpoint / STATS_NAME).read_bytes())
+        return stats
+
+
+@contextlib.contextmanager
+def mount(
+    source: Path,
+    mountpoint: Path,
+    preset: Preset | str = "local",
+    *,
+    read_ahead_kb: int | None = None,
+    timeout_s: float = _MOUNT_TIMEOUT_S,
+    **overrides: float | None,
+) -> Iterator[SlowFS]:
+    """Mount ``source`` read-only at ``mountpoint`` (created if missing) in a child process.
+
+    ``overrides`` set preset knobs (``latency_s``, ``stream_bytes_per_s``,
+    ``total_bytes_per_s``). ``read_ahead_kb`` replaces the kernel's readahead window for
+    the mount (128 KiB by default; root only), which bounds the size of read requests.
+    Yields once the mount is live; unmounts and reaps the child on exit, lazily if files
+    inside are still open.
+    """
+    resolved = resolve_preset(preset, **overrides)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    if os.path.ismount(mountpoint):
+        raise RuntimeError(f"{mountpoint} is already a mount point")
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.slowfs",
+        str(source),
+        str(mountpoint),
+        "--preset",
+        "local",
+        "--name",
+        resolved.name,
+        "--latency",
+        repr(resolved.latency_s),
+        "--stream-bw",
+        repr(resolved.stream_bytes_per_s),
+        "--total-bw",
+        repr(resolved.total_bytes_per_s),
+    ]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            _wait_mounted(proc, mountpoint, timeout_s, log)
+            if read_ahead_kb is not None:
+                _bdi_file(mountpoint).write_text(f"{read_ahead_kb}\n")
+            yield SlowFS(source, mountpoint, resolved, proc.pid)
+        finally:
+            _unmount(mountpoint, proc)
+
+
+def _bdi_file(mountpoint: Path) -> Path:
+    dev = os.stat(mountpoint).st_dev
+    return Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+
+
+def _wait_mounted(
+    proc: subprocess.Popen[bytes], mountpoint: Path, timeout_s: float, log: IO[bytes]
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.ismount(mountpoint):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            output = log.read().decode(errors="replace").strip()
+            state = f"exited with {proc.returncode}" if proc.returncode is not None else "hung"
+            raise RuntimeError(f"slowfs at {mountpoint} {state} before mounting: {output}")
+        time.sleep(0.01)
+
+
+def _unmount(mountpoint: Path, proc: subprocess.Popen[bytes]) -> None:
+    """Unmount (retrying while busy, then lazily) and reap the server."""
+    lazy = False
+    for attempt in range(_UNMOUNT_ATTEMPTS):
+        if not os.path.ismount(mountpoint):
+            break
+        if attempt:
+            time.sleep(0.05 * attempt)
+        subprocess.run(["fusermount3", "-u", "-q", str(mountpoint)], check=False)
+    else:
+        subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], check=False)
+        lazy = True
+    # After a lazy unmount the server would serve the open files until they close: stop
+    # it (SIGTERM makes libfuse leave its loop); those files then fail with ENOTCONN.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=0 if lazy else 10)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@functools.cache
+def fuse_available() -> str | None:
+    """None when a slowfs can be mounted here, else why not (one line, for skip messages)."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 not found (Debian package fuse3)"
+    try:
+        import mfusepy
+    except (ImportError, OSError) as exc:  # OSError: mfusepy is there but libfuse3 is not
+        return f"mfusepy or libfuse3 missing: {exc}".splitlines()[0]
+    if mfusepy.fuse_version_major != 3:
+        return f"libfuse 3 needed, mfusepy found {mfusepy.fuse_version_major}"
+    with tempfile.TemporaryDirectory(prefix="slowfs-probe-") as tmp:
+        source = Path(tmp, "src")
+        source.mkdir()
+        try:
+            with mount(source, Path(tmp, "mnt")) as fs:
+                fs.stats()
+        except Exception as exc:
+            return f"cannot mount a FUSE filesystem: {exc}".splitlines()[0]
+    return None

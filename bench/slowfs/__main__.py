@@ -1,0 +1,66 @@
+"""Serve an emulated network mount in the foreground until it is unmounted.
+
+    python -m bench.slowfs SOURCE MOUNTPOINT --preset cross-region [--latency 0.02]
+        [--stream-bw 268435456] [--total-bw none]
+
+Unmount with ``fusermount3 -u MOUNTPOINT`` (or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from bench.slowfs import PRESETS, resolve_preset, serve
+
+_KNOBS = ("latency_s", "stream_bytes_per_s", "total_bytes_per_s")
+
+
+def _bandwidth(text: str) -> float | None:
+    """Bytes per second; ``none`` (or 0) for no cap."""
+    if text.lower() in ("none", "0"):
+        return None
+    return float(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.slowfs", description=__doc__)
+    parser.add_argument("source", type=Path, help="directory to serve")
+    parser.add_argument("mountpoint", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="local")
+    # Absent knobs stay absent (SUPPRESS), so "--stream-bw none" can differ from no option.
+    suppress = argparse.SUPPRESS
+    parser.add_argument(
+        "--latency",
+        dest="latency_s",
+        type=float,
+        default=suppress,
+        help="seconds per seek (overrides the preset)",
+    )
+    parser.add_argument(
+        "--stream-bw",
+        dest="stream_bytes_per_s",
+        type=_bandwidth,
+        default=suppress,
+        help="bytes/s per open file, or none",
+    )
+    parser.add_argument(
+        "--total-bw",
+        dest="total_bytes_per_s",
+        type=_bandwidth,
+        default=suppress,
+        help="bytes/s for the whole mount, or none",
+    )
+    parser.add_argument("--name", help="label of the resulting preset in the stats")
+    parser.add_argument("--debug", action="store_true", help="libfuse's request trace")
+    args = vars(parser.parse_args(argv))
+    overrides = {name: args.pop(name) for name in _KNOBS if name in args}
+    preset = resolve_preset(args["preset"], **overrides)
+    if args["name"]:
+        preset = dataclasses.replace(preset, name=args["name"])
+    serve(args["source"], args["mountpoint"], preset, debug=args["debug"])
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench protos clean
+.PHONY: demo test check bench bench-quick protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,9 +24,22 @@ check: $(STAMP)
 test: check
 	$(BIN)/pytest
 
-bench: $(STAMP)
-	$(BIN)/python bench/bench_planning.py
-	$(BIN)/python bench/bench_daemon.py
+# Benchmarks need the bench extra and, for the emulated mount and the tool comparison,
+# Debian's fuse3 and vmtouch (installed here when we are root; otherwise they skip).
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,dev,bench]'
+	if [ "$$(id -u)" = 0 ] && ! { command -v fusermount3 && command -v vmtouch; } >/dev/null; then \
+		(apt-get update -qq && apt-get install -y -qq fuse3 vmtouch) || echo "fuse3/vmtouch not installed"; \
+	fi
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python bench/run_all.py
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python bench/run_all.py --quick --output /tmp/spanwarm-BENCHMARKS-quick.md
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -142,6 +142,8 @@ def mounted(source: Path, preset: str) -> Iterator[tuple[Path, Any]]:
     if preset == "local":
         yield source, None
         return
+    if str(ROOT) not in sys.path:  # run as a script, bench/ is on the path but its parent is not
+        sys.path.insert(0, str(ROOT))
     from bench.slowfs import fuse_available, mount
 
     reason = fuse_available()
@@ -216,6 +218,7 @@ def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any)
         "arm": arm,
         "wall_s": wall,
         "first_s": [r["first_s"] for r in results],
+        "request_s": [r["request_s"] for r in results],
         "storage_bytes": storage,
         "peak_cache_bytes": sampler.peak,
         "loaded_bytes": sum(r["bytes"] for r in results),
@@ -270,6 +273,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--daemon-args", default="", help="extra `spanwarm serve` flags, e.g. '--method read'"
+    )
     args = parser.parse_args()
     command = "python bench/bench_end_to_end.py " + " ".join(sys.argv[1:])
     lines = [f"\n## End to end: the seed's scenario\n\n```console\n{command}\n```"]
@@ -282,7 +288,7 @@ def main() -> None:
         for preset in args.mounts.split(","):
             with (
                 mounted(source, preset) as (checkpoint, fs),
-                spawn_daemon("--log-level", "warning") as daemon,
+                spawn_daemon("--log-level", "warning", *args.daemon_args.split()) as daemon,
             ):
                 mounted_paths = sorted(checkpoint.glob("*.safetensors"))
                 runs = []
@@ -292,7 +298,8 @@ def main() -> None:
                         runs.append(result)
                         print(
                             f"  {preset} rep {rep} {arm}: {result['wall_s']:.2f} s, "
-                            f"read {format_bytes(result['storage_bytes'])}",
+                            f"read {format_bytes(result['storage_bytes'])}, first tensor "
+                            f"{result['first_s']}, spans sent after {result['request_s']}",
                             flush=True,
                         )
             label = (

@@ -290,9 +290,9 @@ def targets(pairs: Sequence[Paired], runs: Sequence[Run]) -> list[str]:
 
     return [
         f"- throughput >= best of dd/cat/vmtouch (median paired ratio >= 1.0): populate "
-        f"{thr:.2f} {verdict(thr >= 1.0)}; best spanwarm method {thr_best:.2f} "
+        f"{thr:.3f} {verdict(thr >= 1.0)}; best spanwarm method {thr_best:.3f} "
         f"{verdict(thr_best >= 1.0)}",
-        f"- populate CPU <= 0.5 x dd CPU: {cpu:.2f} x {verdict(cpu <= 0.5)}",
+        f"- populate CPU <= 0.5 x dd CPU: {cpu:.3f} x {verdict(cpu <= 0.5)}",
         f"- with populate's interpreter start and imports counted (a one-shot CLI, not the "
         f"daemon): throughput ratio {proc_thr:.2f}, CPU ratio {proc_cpu:.2f}",
         f"- quietest runs only (each arm's fastest wall and least CPU over all repetitions, "

@@ -120,12 +120,14 @@ def main() -> None:
 
     client = None
     ticket = None
+    requested = 0.0
     if args.arm == "whole":
         read_whole(checkpoint.paths[args.local_rank :: args.local_world])
     elif args.arm == "spanwarm":
         client = Client(args.socket)
         state_dict = {name: value for name, (value, _, _) in state.items()}
         ticket = client.request_spans(state_dict, args.checkpoint, job="bench", unmatched="skip")
+    requested = time.monotonic() - start
 
     handles = {}
     first = None
@@ -160,6 +162,7 @@ def main() -> None:
                 "total_s": total,
                 "bytes": loaded,
                 "released": 0 if ticket is None else len(ticket.failures),
+                "request_s": requested,
                 "pid": os.getpid(),
             }
         )

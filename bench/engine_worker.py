@@ -4,8 +4,9 @@ bench_engine.py so every run starts with a fresh process.
     .venv/bin/python bench/engine_worker.py FILE METHOD [--workers 8] [--chunk-bytes N]
 
 Cuts the file into chunk-aligned cells, hands them in order to a pool of ``workers``
-threads, and each worker does what the daemon's ``_warm_blocking`` does with a cell: skip
-it when mincore says it is resident already, else ``WarmEngine.warm(fd, [(start, stop)])``.
+threads, and each worker does what the daemon's ``_warm_blocking`` does with a cell: open
+a fresh descriptor (one stream per operation, ``POSIX_FADV_RANDOM``), skip the cell when
+mincore says it is resident already, else ``WarmEngine.warm(fd, [(start, stop)])``.
 Prints one JSON line: the wall and CPU seconds (all threads) of the warm alone, so the
 interpreter start and imports, which a running daemon never pays, can be told apart.
 """
@@ -30,11 +31,16 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def warm_cell(engine: WarmEngine, fd: int, start: int, stop: int, trusted: bool) -> int:
+def warm_cell(engine: WarmEngine, path: str, start: int, stop: int, trusted: bool) -> int:
     """The daemon's per-cell step: probe residency, warm only when something is missing."""
-    if trusted and resident_bytes(fd, start, stop - start) == stop - start:
-        return 0
-    return engine.warm(fd, [(start, stop)])
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        if trusted and resident_bytes(fd, start, stop - start) == stop - start:
+            return 0
+        return engine.warm(fd, [(start, stop)])
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
@@ -61,7 +67,7 @@ def main() -> None:
         wall0, cpu0 = time.perf_counter(), cpu_seconds()
         # The executor's queue hands cells out in order to whichever thread is free,
         # like the daemon's dispatcher keeping ``workers`` cells in flight.
-        futures = [pool.submit(warm_cell, engine, fd, a, b, trusted) for a, b in cells]
+        futures = [pool.submit(warm_cell, engine, args.file, a, b, trusted) for a, b in cells]
         warmed = sum(f.result() for f in futures)
         wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
     os.close(fd)

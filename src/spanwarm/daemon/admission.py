@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,25 +58,35 @@ class OpenFile:
         self.identity = identity
         self.trusted = residency_trusted(fd)  # mincore tells the truth for this file
         self.refs = 0
-        # Read exactly the planned ranges: kernel readahead would warm neighbours nobody
-        # asked for (+57% bytes for 64 KiB spans, research/machine-probes.md 2.3).
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     @property
     def size(self) -> int:
         return self.identity.size
 
-    def check_unchanged(self) -> None:
-        """Raise FileChangedError if the file was truncated, rewritten or replaced."""
-        now = FileIdentity.of(os.fstat(self.fd))
-        if now != self.identity:
-            raise FileChangedError(self.path, f"changed while warming ({self.identity} -> {now})")
+    @contextmanager
+    def stream(self) -> Iterator[int]:
+        """A fresh descriptor for one warm operation, checked to be the same file.
+
+        One open file description per operation is one stream to the storage: its own
+        readahead state, and on a network mount its own connection-level sequential
+        read, instead of eight workers interleaving on one handle (every read a seek).
+        """
         try:
-            on_disk = FileIdentity.of(os.stat(self.path))
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise FileChangedError(self.path, "was removed while warming") from None
-        if on_disk != self.identity:
-            raise FileChangedError(self.path, "was replaced while warming")
+        try:
+            now = FileIdentity.of(os.fstat(fd))
+            if now != self.identity:
+                raise FileChangedError(
+                    self.path, f"changed while warming ({self.identity} -> {now})"
+                )
+            # Read exactly the planned ranges: kernel readahead would warm neighbours nobody
+            # asked for (+57% bytes for 64 KiB spans, research/machine-probes.md 2.3).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            yield fd
+        finally:
+            os.close(fd)
 
 
 class FileTable:

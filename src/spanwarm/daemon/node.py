@@ -426,16 +426,16 @@ class Node:
 
     def _warm_blocking(self, file: OpenFile, ranges: list[Range]) -> tuple[int, int]:
         """Runs in a worker: warm what is not already resident; (bytes read, bytes found)."""
-        file.check_unchanged()
         read = verified = 0
-        for start, stop in ranges:
-            resident = resident_bytes(file.fd, start, stop - start) if file.trusted else 0
-            if resident == stop - start:
+        with file.stream() as fd:
+            for start, stop in ranges:
+                resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
+                if resident == stop - start:
+                    verified += resident
+                    continue
+                self.engine.warm(fd, [(start, stop)])
+                read += stop - start - resident
                 verified += resident
-                continue
-            self.engine.warm(file.fd, [(start, stop)])
-            read += stop - start - resident
-            verified += resident
         return read, verified
 
     # -- readiness -----------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""Run every benchmark and write docs/BENCHMARKS.md (and its plots) from what they print.
+
+    .venv/bin/python bench/run_all.py            # make bench: the full set, well under 30 min
+    .venv/bin/python bench/run_all.py --quick    # make bench-quick: a smaller set, under 3 min
+
+Each section carries the command that produced it; each number is reproducible by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def machine() -> str:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    memory = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    return (
+        f"Machine: {cpu}, {os.cpu_count()} cores, {memory:.1f} GiB RAM, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, numpy {np.__version__}. A VM whose host caches the "
+        "disk: evicted means guest-cold, not device-cold. Noisy (2-4x between identical runs): "
+        "read medians and paired ratios, not single numbers."
+    )
+
+
+def run(script: str, *args: str, markdown: bool = False) -> str:
+    """Run one benchmark; return its markdown (from --markdown, or what it printed)."""
+    command = [sys.executable, f"bench/{script}", *args]
+    print(f"$ {' '.join(command[1:])}", flush=True)
+    start = time.monotonic()
+    if markdown:
+        out = ROOT / "bench" / f".{script}.md"
+        subprocess.run([*command, "--markdown", str(out)], cwd=ROOT, check=True)
+        text = out.read_text()
+        out.unlink()
+    else:
+        text = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    print(f"  ({time.monotonic() - start:.0f} s)", flush=True)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", type=Path, default=DOCS / "BENCHMARKS.md")
+    args = parser.parse_args()
+    quick = args.quick
+    daemon = ["--status-calls", "100"] if quick else []
+    sections = [
+        "# Benchmarks\n",
+        "Written by `" + ("make bench-quick" if quick else "make bench") + "` "
+        f"(`python bench/run_all.py{' --quick' if quick else ''}`) on {time.strftime('%Y-%m-%d')}.\n",
+        machine() + "\n",
+        "## Planning speed\n",
+        "```console\npython bench/bench_planning.py" + (" --repeat 5" if quick else "") + "\n```\n",
+        run("bench_planning.py", *(["--repeat", "5"] if quick else [])),
+        "## Daemon responsiveness\n",
+        "```console\npython bench/bench_daemon.py"
+        + (" --status-calls 100" if quick else "")
+        + "\n```\n",
+        "\n".join(
+            f"- {line}"
+            for line in run(
+                "bench_daemon.py", *(["--status-calls", "100"] if quick else [])
+            ).splitlines()
+        ),
+        "\n## Scale\n",
+        run("bench_scale.py", *(["--quick"] if quick else [])),
+    ]
+    engine = ["--quick"] if quick else ["--sizes", "1GiB,2GiB"]
+    sections.append(
+        run("bench_engine.py", *engine, "--plot", str(DOCS / "bench_engine.png"), markdown=True)
+    )
+    sections.append("\n![warm engine vs tools](bench_engine.png)\n")
+    spans = ["--mounts", "local", "--reps", "1"] if quick else ["--reps", "3"]
+    sections.append(
+        run("bench_spans.py", *spans, "--plot", str(DOCS / "bench_spans.png"), markdown=True)
+    )
+    sections.append("\n![spans vs whole file](bench_spans.png)\n")
+    e2e = ["--mounts", "local", "--layouts", "packed", "--reps", "1"] if quick else ["--reps", "3"]
+    sections.append(run("bench_end_to_end.py", *e2e, markdown=True))
+    args.output.write_text("\n".join(sections) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

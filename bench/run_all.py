@@ -33,7 +33,8 @@ def machine() -> str:
     )
     memory = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
     return (
-        f"Machine: {cpu}, {os.cpu_count()} cores, {memory:.1f} GiB RAM, Linux {platform.release()}, "
+        f"Machine: {cpu}, {os.cpu_count()} cores, {memory:.1f} GiB RAM, "
+        f"Linux {platform.release()}, "
         f"Python {platform.python_version()}, numpy {np.__version__}. A VM whose host caches the "
         "disk: evicted means guest-cold, not device-cold. Noisy (2-4x between identical runs): "
         "read medians and paired ratios, not single numbers."
@@ -77,12 +78,7 @@ def main() -> None:
         "```console\npython bench/bench_daemon.py"
         + (" --status-calls 100" if quick else "")
         + "\n```\n",
-        "\n".join(
-            f"- {line}"
-            for line in run(
-                "bench_daemon.py", *(["--status-calls", "100"] if quick else [])
-            ).splitlines()
-        ),
+        "\n".join(f"- {line}" for line in run("bench_daemon.py", *daemon).splitlines()),
         "\n## Scale\n",
         run("bench_scale.py", *(["--quick"] if quick else [])),
     ]

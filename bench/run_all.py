@@ -69,7 +69,8 @@ def main() -> None:
     sections = [
         "# Benchmarks\n",
         "Written by `" + ("make bench-quick" if quick else "make bench") + "` "
-        f"(`python bench/run_all.py{' --quick' if quick else ''}`) on {time.strftime('%Y-%m-%d')}.\n",
+        f"(`python bench/run_all.py{' --quick' if quick else ''}`) "
+        f"on {time.strftime('%Y-%m-%d')}.\n",
         machine() + "\n",
         "## Planning speed\n",
         "```console\npython bench/bench_planning.py" + (" --repeat 5" if quick else "") + "\n```\n",

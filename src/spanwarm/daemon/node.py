@@ -223,6 +223,19 @@ def _union(ranges: Iterable[Range]) -> list[Range]:
     return out
 
 
+def _overlap(xs: list[Range], ys: list[Range]) -> int:
+    """Bytes in both of two sorted, disjoint range lists (one linear pass)."""
+    total = i = j = 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 class Node:
     """Owns the live requests, the plans and the warm workers of one daemon."""
 
@@ -239,7 +252,7 @@ class Node:
         self._plans: dict[OpenFile, FilePlan] = {}
         self._users: dict[OpenFile, set[Request]] = {}
         self._cells: dict[CellKey, Cell] = {}
-        self._background: collections.deque[CellKey] = collections.deque()
+        self._background: dict[OpenFile, collections.deque[CellKey]] = {}
         self._turn = 0
         self._in_flight = 0
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="spanwarm-warm")
@@ -313,31 +326,38 @@ class Node:
         for file in files:
             users = self._users.get(file)
             if not users:
+                self._background.pop(file, None)
                 continue
             table = SpanTable.concat(r.files[file] for r in users)
-            self._plans[file] = plan_file(file.path, file.size, table, self.config.seek_cost)
-        self._background = collections.deque(self._unneeded_cells())
+            plan = plan_file(file.path, file.size, table, self.config.seek_cost)
+            self._plans[file] = plan
+            self._background[file] = collections.deque(self._unneeded_cells(file, plan))
 
-    def _unneeded_cells(self) -> list[CellKey]:
-        """Cells the plans read that no request needs: bridged gaps and whole files."""
+    def _unneeded_cells(self, file: OpenFile, plan: FilePlan) -> list[CellKey]:
+        """Cells the plan reads that no request needs: bridged gaps and whole files."""
+        first, last = plan.runs.starts // self.chunk, (plan.runs.stops - 1) // self.chunk
+        counts = last - first + 1
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        cells = np.unique(np.repeat(first, counts) + offsets)
         out: list[CellKey] = []
-        for file, plan in self._plans.items():
-            for start, stop in plan.runs.pairs():
-                for cell in range(start // self.chunk, (stop - 1) // self.chunk + 1):
-                    key = (file, cell)
-                    state = self._cells.get(key)
-                    if state is None or not state.waiters:
-                        out.append(key)
+        for cell in cells.tolist():
+            state = self._cells.get((file, cell))
+            if state is None or not state.waiters:
+                out.append((file, cell))
         return out
 
-    # -- what to read --------------------------------------------------------------------
-
     def _planned(self, key: CellKey, lo: int, hi: int) -> list[Range]:
+        """The plan's runs inside the cell, clipped to ``[lo, hi)``."""
         plan = self._plans.get(key[0])
         if plan is None:
             return []
         c0 = key[1] * self.chunk
-        return _clip(plan.runs.pairs(), max(lo, c0), min(hi, c0 + self.chunk))
+        lo, hi = max(lo, c0), min(hi, c0 + self.chunk)
+        runs = plan.runs
+        first = int(np.searchsorted(runs.stops, lo, side="right"))  # first run ending past lo
+        last = int(np.searchsorted(runs.starts, hi, side="left"))  # runs starting before hi
+        starts, stops = runs.starts[first:last].tolist(), runs.stops[first:last].tolist()
+        return _clip(zip(starts, stops, strict=True), lo, hi)
 
     def _satisfied(self, request: Request, key: CellKey) -> bool:
         lo, hi = request.hull(key)
@@ -362,7 +382,7 @@ class Node:
         participants: list[Request | None] = [*self._requests, None]
         for step in range(len(participants)):
             who = participants[(self._turn + step) % len(participants)]
-            queue = self._background if who is None else who.queue
+            queue = self._background_queue() if who is None else who.queue
             while queue:
                 key = queue.popleft()
                 cell = self._cells.get(key)
@@ -378,6 +398,14 @@ class Node:
                 self._turn = (self._turn + step + 1) % len(participants)
                 return key, ranges
         return None
+
+    def _background_queue(self) -> collections.deque[CellKey]:
+        """The first file's queue of cells only the plan needs (empty when there are none)."""
+        for file, queue in list(self._background.items()):
+            if queue:
+                return queue
+            del self._background[file]
+        return collections.deque()
 
     # -- warming ---------------------------------------------------------------------------
 
@@ -506,9 +534,7 @@ class Node:
         for (file, _), cell in self._cells.items():
             warm_by_file.setdefault(file, []).extend((a, b) for a, b, _ in cell.warm)
         for file, plan in self._plans.items():
-            warmed = _union(warm_by_file.get(file, ()))
-            runs = plan.runs.pairs()
-            file_warm = sum(b - a for r0, r1 in runs for a, b in _clip(warmed, r0, r1))
+            file_warm = _overlap(_union(warm_by_file.get(file, ())), plan.runs.pairs())
             planned += plan.warm_bytes
             warm += file_warm
             files.append({**plan.to_json(), "warm_now_bytes": file_warm})
@@ -540,6 +566,7 @@ class Node:
             "bytes_verified_total": self.bytes_verified_total,
             "throughput_bytes_per_s": throughput,
             "eta_s": left / throughput if left > 0 and throughput > 0 else 0.0,
-            "queue_depth": sum(len(r.pending) for r in self._requests) + len(self._background),
+            "queue_depth": sum(len(r.pending) for r in self._requests)
+            + sum(len(q) for q in self._background.values()),
             "in_flight": self._in_flight,
         }

@@ -93,6 +93,10 @@ def build_checkpoint(directory: Path, layout: str) -> list[Path]:
     for path in paths:
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
+            # Read it back once: the first read of fresh data is slower on this VM (host
+            # cache, write-back), which would penalise whichever arm happens to run first.
+            while f.read(64 * 2**20):
+                pass
     marker.touch()
     return paths
 

@@ -3,13 +3,14 @@ against reading all of it, on local storage and on each emulated mount.
 
     .venv/bin/python bench/bench_spans.py [--mounts local,nfs-like,cross-region] [--plot PNG]
 
-Reads go through spanwarm's warm engine the way the daemon issues them: 8 workers, one
-fresh descriptor (one stream) per operation, ``POSIX_FADV_RANDOM``, the ``read`` method,
-operations of at most 8 MiB. The file is evicted before every measurement. For each
-mount: the break-even span size (below it, reading 12.5% as spans is slower than reading
-everything), a seek cost calibrated from the fit ``t = t0 + spans x c`` (``S = c x`` the
-whole-file throughput), and the cost model's decision at the 12 MiB default and at the
-calibrated S, next to what was measured.
+Reads go through ``spanwarm.calibrate`` (the measurement behind ``spanwarm calibrate``):
+the warm engine as the daemon issues it, 8 workers, one fresh descriptor (one stream) per
+operation, ``POSIX_FADV_RANDOM``, the ``read`` method, operations of at most 8 MiB. The
+file is evicted before every measurement. For each mount: the break-even span size
+(below it, reading 12.5% as spans is slower than reading everything), a seek cost
+calibrated from the fit ``t = t0 + spans x c`` (``S = c x`` the whole-file throughput),
+and the cost model's decision at the 12 MiB default and at the calibrated S, next to
+what was measured.
 """
 
 from __future__ import annotations
@@ -20,18 +21,15 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from spanwarm.calibrate import read_ranges, spans_covering
 from spanwarm.costmodel import DEFAULT_SEEK_COST, plan_file
-from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
-from spanwarm.residency import evict
 from spanwarm.spans import SpanTable
 from spanwarm.units import format_bytes
 
@@ -39,7 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 FRACTION = 8  # 12.5%
 WORKERS = 8
-CHUNK = 8 * MiB
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 # The slowest mount pays 50 ms per span: start it where a point takes seconds, not minutes.
 SMALLEST = {"local": 4 << 10, "nfs-like": 16 << 10, "cross-region": 256 << 10}
@@ -52,42 +49,6 @@ class Point:
     spans_s: float
     whole_s: float
     ranges: list[tuple[int, int]]
-
-
-def spans_for(size: int, file_size: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    """Non-overlapping aligned spans of ``size`` bytes covering 1/8 of the file, sorted."""
-    slots = file_size // size
-    chosen = np.sort(rng.choice(slots, slots // FRACTION, replace=False))
-    return [(int(s) * size, int(s) * size + size) for s in chosen]
-
-
-def pieces(ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Operations as the daemon forms them: ranges grouped by 8 MiB cell."""
-    ops: dict[int, list[tuple[int, int]]] = {}
-    for start, stop in ranges:
-        while start < stop:
-            cell_end = (start // CHUNK + 1) * CHUNK
-            ops.setdefault(start // CHUNK, []).append((start, min(stop, cell_end)))
-            start = min(stop, cell_end)
-    return list(ops.values())
-
-
-def timed_read(path: Path, ranges: list[tuple[int, int]]) -> float:
-    evict(path)
-    engine = WarmEngine(WarmMethod.READ, chunk_bytes=CHUNK)
-
-    def op(group: list[tuple[int, int]]) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            engine.warm(fd, group)
-        finally:
-            os.close(fd)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(WORKERS) as pool:
-        list(pool.map(op, pieces(ranges)))
-    return time.perf_counter() - start
 
 
 def decision(ranges: list[tuple[int, int]], file_size: int, seek_cost: int) -> str:
@@ -123,15 +84,14 @@ def mounted(source: Path, preset: str) -> Iterator[Path | None]:
 
 def measure(path: Path, preset: str, reps: int) -> dict[str, Any]:
     file_size = path.stat().st_size
-    rng = np.random.default_rng(0)
     whole = [(0, file_size)]
     points: list[Point] = []
     for size in [s for s in SIZES if s >= SMALLEST[preset]]:
-        ranges = spans_for(size, file_size, rng)
+        ranges = spans_covering(file_size, size, 1 / FRACTION)
         spans_t, whole_t = [], []
         for _ in range(reps):  # paired and interleaved: whole, then spans
-            whole_t.append(timed_read(path, whole))
-            spans_t.append(timed_read(path, ranges))
+            whole_t.append(read_ranges(str(path), whole, WORKERS))
+            spans_t.append(read_ranges(str(path), ranges, WORKERS))
         point = Point(
             size, len(ranges), statistics.median(spans_t), statistics.median(whole_t), ranges
         )
@@ -226,6 +186,9 @@ def main() -> None:
             for _ in range(args.size // len(block)):
                 f.write(block)
             os.fsync(f.fileno())
+        with open(source, "rb") as f:  # fresh data reads slower once on this VM
+            while f.read(64 * MiB):
+                pass
     results = []
     for preset in args.mounts.split(","):
         with mounted(source, preset) as path:

@@ -482,7 +482,7 @@ def test_root_cannot_open_the_socket_to_a_group_without_allowed_roots() -> None:
         check=False,
     )
     assert result.returncode == 2
-    assert "needs --allow roots" in result.stderr
+    assert "needs allow roots" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from spanwarm.cli import plan, serve, status, warm
+from spanwarm.cli import calibrate, plan, residency, serve, status, warm
 
 __all__ = ["main"]
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Warm exactly the checkpoint bytes each rank of a distributed job will read.",
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (serve, status, warm, plan):
+    for command in (serve, status, warm, plan, residency, calibrate):
         command.add_parser(commands)
     return parser
 

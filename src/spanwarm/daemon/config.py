@@ -1,70 +1,272 @@
-"""The daemon's settings: one frozen dataclass, the single source of every knob."""
+"""The daemon's settings: one frozen dataclass, the single source of every knob.
+
+Each field carries its flag, its kind and its meaning. Values come from, highest first:
+command-line flags, ``SPANWARM_<NAME>`` environment variables, a TOML file (``--config``,
+``$SPANWARM_CONFIG``, else /etc/spanwarm/spanwarm.toml when it exists), the defaults
+here. An unknown key or a bad value stops the daemon at start with one line naming it.
+docs/configuration.md lists every setting (a test keeps it complete).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.endpoint import default_socket_path
+from spanwarm.units import parse_size
 
-__all__ = ["DaemonConfig"]
+__all__ = [
+    "DEFAULT_CONFIG_FILE",
+    "ConfigError",
+    "DaemonConfig",
+    "Setting",
+    "load_config",
+    "settings",
+]
+
+DEFAULT_CONFIG_FILE = "/etc/spanwarm/spanwarm.toml"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names where it came from."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    flag: str
+    kind: str  # str, int, float, size, paths, bool, or "choice"
+    help: str
+    choices: tuple[str, ...] = ()
+
+
+def _setting(
+    default: Any, *, flag: str, kind: str, help: str, choices: tuple[str, ...] = ()
+) -> Any:
+    meta = {"setting": Setting(flag, kind, help, choices)}
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    socket: str = field(default_factory=default_socket_path)
-    """Unix socket path the daemon serves on (never an abstract socket)."""
-    socket_group: str | None = None
-    """Group allowed to connect (socket mode 0660); otherwise only the daemon's user (0600)."""
-    listen: str | None = None
-    """Optional TCP address, loopback only, e.g. 127.0.0.1:7070."""
-    allow: tuple[str, ...] = ()
-    """Roots whose files may be warmed (resolved, symlinks included). Empty: any file."""
-    workers: int = 8
-    """Warm operations in flight at once (threads)."""
-    chunk_bytes: int = 8 * 2**20
-    """Largest single warm operation: the device read-ahead window."""
-    method: str | None = None
-    """populate, read or hint; None picks populate where the kernel has it, else read."""
-    seek_cost: int = DEFAULT_SEEK_COST
-    """Price of one seek in bytes (the cost model's S)."""
-    max_spans: int = 4_000_000
-    """Most spans one Warm request may carry."""
-    max_files: int = 100_000
-    """Most files one Warm request may name."""
-    drain_seconds: float = 10.0
-    """On SIGTERM, how long open streams may take to finish before the daemon stops."""
-    throttle_bytes_per_s: float | None = None
-    """Cap on the warm rate (for tests and demos that need to watch readiness unfold)."""
+    socket: str = _setting(
+        default_socket_path,
+        flag="--socket",
+        kind="str",
+        help="Unix socket to serve on, never abstract (default: $SPANWARM_SOCKET, "
+        "/run/spanwarm/spanwarm.sock as root, else per-user)",
+    )
+    socket_group: str | None = _setting(
+        None,
+        flag="--socket-group",
+        kind="str",
+        help="group allowed to connect (socket mode 0660); as root this needs allow roots",
+    )
+    listen: str | None = _setting(
+        None,
+        flag="--listen",
+        kind="str",
+        help="also serve on this loopback TCP address (health probes), e.g. 127.0.0.1:7070",
+    )
+    allow: tuple[str, ...] = _setting(
+        (),
+        flag="--allow",
+        kind="paths",
+        help="roots whose files may be warmed, symlinks resolved (empty: any file)",
+    )
+    workers: int = _setting(
+        8, flag="--workers", kind="int", help="warm operations in flight at once (threads)"
+    )
+    chunk_bytes: int = _setting(
+        8 * 2**20,
+        flag="--chunk-size",
+        kind="size",
+        help="largest single warm operation: the device read-ahead window",
+    )
+    method: str | None = _setting(
+        None,
+        flag="--method",
+        kind="choice",
+        help="populate, read or hint (default: populate where the kernel has it)",
+        choices=("populate", "read", "hint"),
+    )
+    seek_cost: int = _setting(
+        DEFAULT_SEEK_COST,
+        flag="--seek-cost",
+        kind="size",
+        help="price of one seek in bytes (measure it: spanwarm calibrate)",
+    )
+    max_spans: int = _setting(
+        4_000_000, flag="--max-spans", kind="int", help="most spans one Warm request may carry"
+    )
+    max_files: int = _setting(
+        100_000, flag="--max-files", kind="int", help="most files one Warm request may name"
+    )
+    drain_seconds: float = _setting(
+        10.0,
+        flag="--drain-seconds",
+        kind="float",
+        help="on SIGTERM, how long open streams may take to finish",
+    )
+    throttle_bytes_per_s: int | None = _setting(
+        None,
+        flag="--throttle",
+        kind="size",
+        help="cap on the warm rate in bytes per second (for tests and demos)",
+    )
+    metrics: str | None = _setting(
+        None,
+        flag="--metrics",
+        kind="str",
+        help="serve Prometheus metrics on this HOST:PORT, e.g. 127.0.0.1:9464",
+    )
+    log_level: str = _setting(
+        "info",
+        flag="--log-level",
+        kind="choice",
+        help="log level",
+        choices=("debug", "info", "warning", "error"),
+    )
+    log_format: str = _setting(
+        "text",
+        flag="--log-format",
+        kind="choice",
+        help="text, or json (one object per line) for journald and log collectors",
+        choices=("text", "json"),
+    )
 
     def __post_init__(self) -> None:
         if not self.socket or self.socket.startswith(("@", "unix-abstract:")):
-            raise ValueError(
+            raise ConfigError(
                 f"socket: {self.socket!r} must be a filesystem path (no abstract sockets)"
             )
         if self.workers < 1:
-            raise ValueError(f"workers: must be >= 1, got {self.workers}")
+            raise ConfigError(f"workers: must be >= 1, got {self.workers}")
         page = os.sysconf("SC_PAGE_SIZE")
         if self.chunk_bytes < page or self.chunk_bytes % page:
-            raise ValueError(
+            raise ConfigError(
                 f"chunk_bytes: must be a positive multiple of {page}, got {self.chunk_bytes}"
             )
-        if self.method not in (None, "populate", "read", "hint"):
-            raise ValueError(f"method: must be populate, read or hint, got {self.method!r}")
         if self.seek_cost < 0:
-            raise ValueError(f"seek_cost: must be >= 0, got {self.seek_cost}")
+            raise ConfigError(f"seek_cost: must be >= 0, got {self.seek_cost}")
         if self.max_spans < 1 or self.max_files < 1:
-            raise ValueError("max_spans and max_files must be >= 1")
+            raise ConfigError("max_spans and max_files must be >= 1")
         if self.drain_seconds < 0:
-            raise ValueError(f"drain_seconds: must be >= 0, got {self.drain_seconds}")
+            raise ConfigError(f"drain_seconds: must be >= 0, got {self.drain_seconds}")
         if self.throttle_bytes_per_s is not None and self.throttle_bytes_per_s <= 0:
-            raise ValueError("throttle_bytes_per_s: must be > 0")
+            raise ConfigError("throttle_bytes_per_s: must be > 0")
+        for name in ("listen", "metrics"):
+            address = getattr(self, name)
+            if address is not None and ":" not in address:
+                raise ConfigError(f"{name}: {address!r} is not HOST:PORT")
         if self.listen is not None:
             host = self.listen.rsplit(":", 1)[0].strip("[]")
             if host not in ("127.0.0.1", "::1", "localhost"):
-                raise ValueError(f"listen: {self.listen!r} must be a loopback address")
+                raise ConfigError(f"listen: {self.listen!r} must be a loopback address")
         if os.geteuid() == 0 and self.socket_group and not self.allow:
-            raise ValueError(
-                "socket_group: as root, opening the socket to a group needs --allow roots"
+            raise ConfigError(
+                "socket_group: as root, opening the socket to a group needs allow roots"
             )
+
+
+def settings() -> list[tuple[str, Setting, Any]]:
+    """(field name, setting, default) for every knob, in declaration order."""
+    out = []
+    for f in fields(DaemonConfig):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        out.append((f.name, f.metadata["setting"], default))
+    return out
+
+
+def env_name(name: str) -> str:
+    return f"SPANWARM_{name.upper()}"
+
+
+def _parse(name: str, setting: Setting, raw: Any, source: str) -> Any:
+    """A raw value (flag or env string, or a TOML value) as the field's type."""
+    where = f"{source}: {name}"
+    try:
+        if setting.kind == "paths":
+            items = raw.split(":") if isinstance(raw, str) else raw
+            if not isinstance(items, list | tuple) or not all(
+                isinstance(i, str) and i for i in items
+            ):
+                raise ValueError("expected a list of paths")
+            return tuple(items)
+        if setting.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if setting.kind == "int":
+            if isinstance(raw, bool) or not isinstance(raw, int | str):
+                raise ValueError("expected an integer")
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError("expected an integer") from None
+        if setting.kind == "float":
+            if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+                raise ValueError("expected a number")
+            try:
+                return float(raw)
+            except ValueError:
+                raise ValueError("expected a number") from None
+        if setting.kind == "size":
+            if isinstance(raw, bool):
+                raise ValueError("expected a size")
+            return raw if isinstance(raw, int) else parse_size(str(raw))
+        if not isinstance(raw, str):
+            raise ValueError("expected a string")
+        if setting.choices and raw not in setting.choices:
+            raise ValueError(f"expected one of {', '.join(setting.choices)}")
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {raw!r}: {exc}") from None
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    path: str | None = None,
+) -> DaemonConfig:
+    """Merge flags > ``SPANWARM_*`` environment > TOML file > defaults into one config.
+
+    ``flags`` holds raw values by field name (None: not given). ``path``: the TOML file;
+    None means ``$SPANWARM_CONFIG``, else the default file when it exists.
+    """
+    flags = flags or {}
+    env = os.environ if env is None else env
+    known = {name: setting for name, setting, _ in settings()}
+    values: dict[str, Any] = {}
+
+    config_path = path or env.get("SPANWARM_CONFIG")
+    if config_path is None and os.path.exists(DEFAULT_CONFIG_FILE):
+        config_path = DEFAULT_CONFIG_FILE
+    if config_path is not None:
+        try:
+            with open(config_path, "rb") as f:
+                document = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"{config_path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{config_path}: not TOML: {exc}") from None
+        for key, raw in document.items():
+            if key not in known:
+                raise ConfigError(f"{config_path}: unknown key {key!r}")
+            values[key] = _parse(key, known[key], raw, config_path)
+    for name, setting in known.items():
+        if (raw := env.get(env_name(name))) is not None:
+            values[name] = _parse(name, setting, raw, env_name(name))
+    for name, raw in flags.items():
+        if raw is not None:
+            values[name] = _parse(name, known[name], raw, known[name].flag)
+    return DaemonConfig(**values)

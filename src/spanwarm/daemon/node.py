@@ -39,6 +39,7 @@ import numpy.typing as npt
 from spanwarm.costmodel import FilePlan, plan_file
 from spanwarm.daemon.admission import AdmittedRequest, FileTable, OpenFile
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method
 from spanwarm.errors import FileChangedError
 from spanwarm.residency import resident_bytes
@@ -258,20 +259,30 @@ class Node:
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="spanwarm-warm")
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.bytes_read_total = 0
         self.bytes_verified_total = 0
+        self.metrics = Metrics()
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name="dispatch")
+        loop = asyncio.get_running_loop()
+        self._dispatcher = loop.create_task(self._dispatch(), name="dispatch")
+        self._refresher = loop.create_task(self._refresh_metrics(), name="metrics")
+
+    async def _refresh_metrics(self) -> None:
+        while True:
+            self.metrics.refresh(self.status())
+            await asyncio.sleep(1.0)
 
     async def close(self) -> None:
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
-            await asyncio.gather(self._dispatcher, return_exceptions=True)
+        for task in (self._dispatcher, self._refresher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._pool.shutdown(wait=True)
@@ -288,7 +299,11 @@ class Node:
             self._users.setdefault(file, set()).add(request)
         for key in request.cells:
             self._cells.setdefault(key, Cell()).waiters.add(request)
+        needed_before = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         self._replan(request.files)
+        needed_after = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
+        self.metrics.requested.inc(request.nbytes)
+        self.metrics.deduped.inc(max(0, request.nbytes - (needed_after - needed_before)))
         empty = np.flatnonzero(request.remaining == 0)
         request.state[empty] = READY
         if empty.size:
@@ -427,6 +442,7 @@ class Node:
     async def _warm(self, key: CellKey, ranges: list[Range]) -> None:
         file = key[0]
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         try:
             read, verified = await loop.run_in_executor(
                 self._pool, self._warm_blocking, file, ranges
@@ -441,6 +457,9 @@ class Node:
             self._cells[key].warm.extend((a, b, done) for a, b in ranges)
             self.bytes_read_total += read
             self.bytes_verified_total += verified
+            self.metrics.warmed.labels(str(self.method)).inc(read)
+            self.metrics.resident.inc(verified)
+            self.metrics.latency.observe(done - started)
             self._recent.append((done, read + verified))
             self._settle(key)
         finally:
@@ -513,6 +532,7 @@ class Node:
         if groups.size:
             request.state[groups] = FAILED
             request.events.put_nowait(Event("failed", tuple(groups.tolist()), code, reason))
+            self.metrics.errors.labels(code).inc()
         self._finish_if_resolved(request)
 
     def _finish_if_resolved(self, request: Request) -> None:

@@ -99,6 +99,8 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         os.umask(previous)
     if config.socket_group:
         _open_to_group(config.socket, config.socket_group)
+    if config.metrics:
+        node.metrics.serve(config.metrics)
     node.start()
     for name in ("", WARMER):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from spanwarm import __version__
+from spanwarm.costmodel import FilePlan
 from spanwarm.daemon.admission import admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.node import FAILED, READY, Event, Node, Request
@@ -51,8 +52,10 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
             live = await asyncio.to_thread(self._admit, request)
         except SpanwarmError as exc:
             logger.info("refused a request from job %r rank %d: %s", request.job, request.rank, exc)
+            self.node.metrics.errors.labels(exc.grpc_code).inc()
             await context.abort(grpc.StatusCode[exc.grpc_code], str(exc))
         self.node.register(live)
+        _log_decisions(live, self.node.plan_of(live), self.config.seek_cost)
         self.streams += 1
         self.idle.clear()
         try:
@@ -89,6 +92,33 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
                 "files": [_file_plan(f) for f in status["files"]],
             },
         )
+
+
+def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None:
+    """One line per request: what the node plan does with its files, and why."""
+    whole = [p for p in plans if p.decision == "whole"]
+    logger.info(
+        "job %s rank %d: %d tensors, %d bytes in %d files; node plan: %d files whole, %d as "
+        "spans, %d bytes to read (seek cost %d)",
+        live.job,
+        live.rank,
+        len(live.groups),
+        live.nbytes,
+        len(plans),
+        len(whole),
+        len(plans) - len(whole),
+        sum(p.warm_bytes for p in plans),
+        seek_cost,
+        extra={
+            "fields": {
+                "job": live.job,
+                "rank": live.rank,
+                "files": [
+                    {**p.to_json(), "whole_cost_bytes": p.size_bytes + seek_cost} for p in plans
+                ],
+            }
+        },
+    )
 
 
 def _trim_heap() -> None:

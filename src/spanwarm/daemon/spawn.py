@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import IO
 
 __all__ = ["ChildDaemon", "spawn_daemon"]
 
@@ -51,6 +52,7 @@ def spawn_daemon(
     socket_path: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
+    stderr: IO[bytes] | None = None,
 ) -> Iterator[ChildDaemon]:
     """Run a daemon on a private socket until the block ends (then SIGTERM it)."""
     directory = tempfile.mkdtemp(prefix="sw-")  # short: socket paths are limited to 108 bytes
@@ -61,6 +63,7 @@ def spawn_daemon(
     process = subprocess.Popen(
         [sys.executable, "-m", "spanwarm", "serve", "--socket", sock, *flags],
         env={**os.environ, "NOTIFY_SOCKET": notify_path, **(env or {})},
+        stderr=stderr,
     )
     daemon = ChildDaemon(sock, process, listener)
     try:

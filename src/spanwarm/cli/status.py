@@ -44,7 +44,9 @@ def render(status: dict[str, Any]) -> Group:
         f"read {format_bytes(status['bytes_read_total'])}  "
         f"already resident {format_bytes(status['bytes_verified_total'])}\n"
         f"{_rate(status['throughput_bytes_per_s'])}  ETA {status['eta_s']:.1f} s  "
-        f"queue {status['queue_depth']}  in flight {status['in_flight']}"
+        f"queue {status['queue_depth']}  in flight {status['in_flight']}\n"
+        f"budget {format_bytes(status['budget_bytes'])}, held {format_bytes(status['held_bytes'])}"
+        + (f"  waiting: {status['waiting_reason']}" if status["waiting_for_budget"] else "")
     )
     ranks = Table("job", "rank", "tensors", "", "bytes ready", title="ranks", title_justify="left")
     for r in status["ranks"]:

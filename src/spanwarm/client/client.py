@@ -57,6 +57,9 @@ class Ticket:
         self._pending = len(names)
         self._cond = threading.Condition()
         self._call: Any = None
+        self._report: Any = None  # sends Consumed once the daemon has named the request
+        self._request_id: int | None = None
+        self._unreported: list[int] = []
         self.plan: list[dict[str, Any]] = []
         """The node plan for this request's files, once the daemon has accepted it."""
         self.failures: dict[str, str] = {}
@@ -98,6 +101,18 @@ class Ticket:
                 bytes_total=sum(self._bytes),
                 bytes_ready=sum(self._bytes[i] for i in ready),
             )
+
+    def consumed(self, names: Iterable[str]) -> None:
+        """Tell the daemon these tensors have been read: under a memory budget, warming
+        moves on to the next ones. Never blocks the caller for long; errors are ignored."""
+        groups = [self._index[n] for n in names if n in self._index]
+        with self._cond:
+            self._unreported.extend(groups)
+            if self._request_id is None or self._report is None:
+                return  # sent once the plan arrives
+            batch, self._unreported = self._unreported, []
+            request_id, report = self._request_id, self._report
+        report(request_id, batch)
 
     def cancel(self) -> None:
         """Withdraw the request: the daemon drops warming only it needed."""
@@ -254,6 +269,7 @@ class Client:
                 kind = event.WhichOneof("event")
                 if kind == "plan":
                     ticket.plan = [message_dict(f) for f in event.plan.files]
+                    self._attach(ticket, event.plan.request_id)
                 elif kind == "ready":
                     ticket._mark(event.ready.groups, _READY)
                 elif kind == "failed":
@@ -282,6 +298,27 @@ class Client:
                     reason,
                 )
             ticket._release()
+
+    def _attach(self, ticket: Ticket, request_id: int) -> None:
+        """Give the ticket its request id and a way to report consumption."""
+        from spanwarm.rpc.v1 import warmer_pb2
+
+        stub = self._stub()
+
+        def report(request_id: int, groups: list[int]) -> None:
+            try:
+                stub.Consumed(
+                    warmer_pb2.ConsumedRequest(request_id=request_id, groups=groups),
+                    timeout=self.timeout,
+                )
+            except grpc.RpcError as exc:  # the request already ended: nothing to release
+                logger.debug("spanwarm: Consumed: %s", exc.code().name)
+
+        with ticket._cond:
+            ticket._request_id, ticket._report = request_id, report
+            backlog, ticket._unreported = ticket._unreported, []
+        if backlog:
+            report(request_id, backlog)
 
     def status(self) -> dict[str, Any]:
         """The daemon's Status as a dict (raises grpc.RpcError when it is unreachable)."""

@@ -119,6 +119,25 @@ class DaemonConfig:
         kind="size",
         help="cap on the warm rate in bytes per second (for tests and demos)",
     )
+    memory_budget: str | None = _setting(
+        None,
+        flag="--memory-budget",
+        kind="str",
+        help="page cache the daemon may keep warmed ahead of consumption: bytes (8GiB) or a "
+        "percentage of what the node or its cgroup can give (default: 50%)",
+    )
+    hold_seconds: float = _setting(
+        60.0,
+        flag="--hold-seconds",
+        kind="float",
+        help="under a budget, how long warmed bytes a rank has not reported read count against it",
+    )
+    cgroup_root: str = _setting(
+        "/sys/fs/cgroup",
+        flag="--cgroup-root",
+        kind="str",
+        help="where the cgroup filesystem is mounted (for the default budget)",
+    )
     metrics: str | None = _setting(
         None,
         flag="--metrics",
@@ -160,6 +179,15 @@ class DaemonConfig:
             raise ConfigError(f"drain_seconds: must be >= 0, got {self.drain_seconds}")
         if self.throttle_bytes_per_s is not None and self.throttle_bytes_per_s <= 0:
             raise ConfigError("throttle_bytes_per_s: must be > 0")
+        if self.memory_budget is not None:
+            from spanwarm.daemon.budget import parse_budget
+
+            try:
+                parse_budget(self.memory_budget, 1)
+            except ValueError as exc:
+                raise ConfigError(f"memory_budget: {exc}") from None
+        if self.hold_seconds <= 0:
+            raise ConfigError(f"hold_seconds: must be > 0, got {self.hold_seconds}")
         for name in ("listen", "metrics"):
             address = getattr(self, name)
             if address is not None and ":" not in address:

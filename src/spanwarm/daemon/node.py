@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ import numpy.typing as npt
 
 from spanwarm.costmodel import FilePlan, plan_file
 from spanwarm.daemon.admission import AdmittedRequest, FileTable, OpenFile
+from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method
@@ -160,6 +162,17 @@ class Request:
         self._group_flat = group[distinct].astype(np.int32)
         self._group_ptr = np.searchsorted(row_of_pair[distinct], np.arange(len(heads) + 1))
         np.add.at(self.remaining, self._group_flat, 1)
+        # Consumption: groups left unread per row, and each group's rows (inverse CSR).
+        per_row = np.diff(self._group_ptr)
+        self._unread = per_row.astype(np.int64)
+        row_of_entry = np.repeat(np.arange(len(per_row)), per_row)
+        by_group = np.argsort(self._group_flat, kind="stable")
+        self._rows_by_group = row_of_entry[by_group]
+        self._rows_ptr = np.searchsorted(
+            self._group_flat[by_group], np.arange(len(self.groups) + 1)
+        )
+        self.consumed = np.zeros(len(self.groups), dtype=bool)
+        self.holding: set[CellKey] = set()  # warmed for it, not yet reported read
         self.cells: list[CellKey] = [
             (files[f], c)
             for f, c in zip(file_id[heads].tolist(), cell[heads].tolist(), strict=True)
@@ -169,6 +182,29 @@ class Request:
             self.cells[row] for row in np.argsort(first_span, kind="stable").tolist()
         )
         self.pending: set[CellKey] = set(self.cells)
+
+    def consume(self, groups: Iterable[int]) -> list[CellKey]:
+        """Mark groups read; return the cells in which nothing of this request is left unread."""
+        done: list[CellKey] = []
+        for group in groups:
+            if not 0 <= group < len(self.groups) or self.consumed[group]:
+                continue
+            self.consumed[group] = True
+            rows = self._rows_by_group[self._rows_ptr[group] : self._rows_ptr[group + 1]]
+            self._unread[rows] -= 1
+            done.extend(self.cells[int(row)] for row in rows[self._unread[rows] == 0])
+        return done
+
+    def may_exceed_budget(self, key: CellKey) -> bool:
+        """Whether the cell may be warmed past the budget: it serves this request's first
+        tensor not yet ready, and the request holds nothing else unread. A rank that has
+        read everything warmed for it is waiting on exactly this: without it, nothing
+        would ever be read and released. A rank still holding unread tensors waits."""
+        pending = np.flatnonzero(self.state == PENDING)
+        if not pending.size:
+            return False
+        first = pending[0]
+        return all(bool((self.cell_groups(k) == first).any()) for k in (key, *self.holding))
 
     def hull(self, key: CellKey) -> Range:
         row = self._row[key]
@@ -265,6 +301,13 @@ class Node:
         self.bytes_read_total = 0
         self.bytes_verified_total = 0
         self.metrics = Metrics()
+        available = available_memory(cgroup_root=Path(config.cgroup_root))
+        self.budget = parse_budget(config.memory_budget, available)
+        self._held: dict[CellKey, int] = {}  # warmed bytes per cell, not yet released
+        self._held_total = 0
+        self._holders: dict[CellKey, dict[Request, float]] = {}  # ready for it, not read yet
+        self._in_flight_bytes = 0
+        self._budget_blocked = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -275,8 +318,55 @@ class Node:
 
     async def _refresh_metrics(self) -> None:
         while True:
+            self._expire_holds()
             self.metrics.refresh(self.status())
             await asyncio.sleep(1.0)
+
+    # -- the memory budget -----------------------------------------------------------------
+
+    def consumed(self, request_id: int, groups: Iterable[int]) -> bool:
+        """A rank read these groups: cells nobody else holds stop counting against the budget."""
+        request = next((r for r in self._requests if r.id == request_id), None)
+        if request is None:
+            return False
+        for key in request.consume(groups):
+            self._unhold(key, request)
+            self._release_if_free(key)
+        return True
+
+    def _hold(self, key: CellKey, request: Request) -> None:
+        self._holders.setdefault(key, {})[request] = time.monotonic()
+        request.holding.add(key)
+
+    def _unhold(self, key: CellKey, request: Request) -> None:
+        self._holders.get(key, {}).pop(request, None)
+        request.holding.discard(key)
+
+    def _expire_holds(self) -> None:
+        """Holds older than hold_seconds stop counting: a client that never reports what it
+        read must not stall warming forever."""
+        deadline = time.monotonic() - self.config.hold_seconds
+        for key, holders in list(self._holders.items()):
+            for request, since in list(holders.items()):
+                if since < deadline:
+                    self._unhold(key, request)
+            self._release_if_free(key)
+
+    def _release_if_free(self, key: CellKey) -> None:
+        cell = self._cells.get(key)
+        if self._holders.get(key) or (cell is not None and (cell.waiters or cell.in_flight)):
+            return
+        self._holders.pop(key, None)
+        released = self._held.pop(key, 0)
+        if released:
+            self._held_total -= released
+            self._wake.set()
+
+    def _over_budget(self) -> bool:
+        """True when one more chunk would take warmed-but-unread bytes past the budget (one
+        chunk always goes, so a budget smaller than a chunk still makes progress)."""
+        committed = self._held_total + self._in_flight_bytes
+        return committed > 0 and committed + self.chunk > self.budget
 
     async def close(self) -> None:
         for task in (self._dispatcher, self._refresher):
@@ -320,6 +410,7 @@ class Node:
             cell = self._cells.get(key)
             if cell is not None:
                 cell.waiters.discard(request)
+            self._unhold(key, request)
         for file in request.files:
             self._users[file].discard(request)
         self._replan(request.files)
@@ -333,6 +424,8 @@ class Node:
                     del self._cells[key]
         for file in request.files:
             self.files.release(file)
+        for key in request.cells:
+            self._release_if_free(key)
 
     def plan_of(self, request: Request) -> list[FilePlan]:
         return [self._plans[f] for f in request.files if f in self._plans]
@@ -392,11 +485,16 @@ class Node:
             self._planned(key, lo, hi), _union((a, b) for a, b, t in cell.warm if t >= since)
         )
 
-    def _next(self) -> tuple[CellKey, list[Range]] | None:
-        """The next cell to warm: requests take turns, background cells go last."""
+    def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range]] | None:
+        """The next cell to warm: requests take turns, background cells go last.
+
+        Over the budget, only a cell that ``Request.may_exceed_budget`` allows still goes.
+        """
         participants: list[Request | None] = [*self._requests, None]
         for step in range(len(participants)):
             who = participants[(self._turn + step) % len(participants)]
+            if over_budget and who is None:
+                continue
             queue = self._background_queue() if who is None else who.queue
             while queue:
                 key = queue.popleft()
@@ -405,6 +503,9 @@ class Node:
                     continue
                 if (cell is not None and cell.in_flight) or key[0] not in self._plans:
                     continue  # in flight: its waiters are re-checked when it completes
+                if over_budget and who is not None and not who.may_exceed_budget(key):
+                    queue.appendleft(key)
+                    break
                 ranges = self._to_read(key)
                 if not ranges:
                     if who is not None:
@@ -415,7 +516,10 @@ class Node:
         return None
 
     def _background_queue(self) -> collections.deque[CellKey]:
-        """The first file's queue of cells only the plan needs (empty when there are none)."""
+        """The first file's queue of cells only the plan needs (empty when there are none,
+        or when the plan exceeds the budget: then only what ranks need is warmed)."""
+        if sum(p.warm_bytes for p in self._plans.values()) > self.budget:
+            return collections.deque()
         for file, queue in list(self._background.items()):
             if queue:
                 return queue
@@ -429,12 +533,14 @@ class Node:
             await self._wake.wait()
             self._wake.clear()
             while self._in_flight < self.config.workers:
-                item = self._next()
+                self._budget_blocked = self._over_budget()
+                item = self._next(over_budget=self._budget_blocked)
                 if item is None:
                     break
                 key, ranges = item
                 self._cells[key].in_flight = True
                 self._in_flight += 1
+                self._in_flight_bytes += sum(b - a for a, b in ranges)
                 task = asyncio.get_running_loop().create_task(self._warm(key, ranges))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -455,6 +561,9 @@ class Node:
         else:
             done = time.monotonic()
             self._cells[key].warm.extend((a, b, done) for a, b in ranges)
+            warmed = sum(b - a for a, b in ranges)
+            self._held[key] = self._held.get(key, 0) + warmed
+            self._held_total += warmed
             self.bytes_read_total += read
             self.bytes_verified_total += verified
             self.metrics.warmed.labels(str(self.method)).inc(read)
@@ -464,11 +573,13 @@ class Node:
             self._settle(key)
         finally:
             self._in_flight -= 1
+            self._in_flight_bytes -= sum(b - a for a, b in ranges)
             cell = self._cells.get(key)
             if cell is not None:
                 cell.in_flight = False
                 if not cell.waiters and file not in self._users:
                     del self._cells[key]
+            self._release_if_free(key)
             self._wake.set()
 
     def _warm_blocking(self, file: OpenFile, ranges: list[Range]) -> tuple[int, int]:
@@ -500,6 +611,8 @@ class Node:
                 continue
             request.pending.discard(key)
             cell.waiters.discard(request)
+            if not request.consumed[request.cell_groups(key)].all():
+                self._hold(key, request)
             groups = request.cell_groups(key)
             groups = groups[request.state[groups] == PENDING]
             request.remaining[groups] -= 1
@@ -589,4 +702,15 @@ class Node:
             "queue_depth": sum(len(r.pending) for r in self._requests)
             + sum(len(q) for q in self._background.values()),
             "in_flight": self._in_flight,
+            "budget_bytes": self.budget,
+            "held_bytes": self._held_total,
+            "waiting_for_budget": sum(len(r.pending) for r in self._requests)
+            if self._budget_blocked
+            else 0,
+            "waiting_reason": (
+                f"{self._held_total} bytes warmed and not yet read, {self._in_flight_bytes} in "
+                f"flight, budget {self.budget}: waiting for ranks to report tensors read"
+            )
+            if self._budget_blocked
+            else "",
         }

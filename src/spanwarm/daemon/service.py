@@ -61,6 +61,7 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
         try:
             yield warmer_pb2.WarmEvent(
                 plan=warmer_pb2.Plan(
+                    request_id=live.id,
                     request_bytes=live.nbytes,
                     seek_cost_bytes=self.config.seek_cost,
                     files=[_file_plan(p.to_json()) for p in self.node.plan_of(live)],
@@ -81,6 +82,11 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
         live = Request(admit(request, self.node.files, self.config), self.node.chunk)
         _trim_heap()
         return live
+
+    async def Consumed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not self.node.consumed(request.request_id, request.groups):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {request.request_id}")
+        return warmer_pb2.ConsumedReply()
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         status = self.node.status()

@@ -51,14 +51,16 @@ class FilePlan(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., num_runs: _Optional[int] = ..., cost_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., warm_bytes: _Optional[int] = ..., warm_now_bytes: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("request_bytes", "seek_cost_bytes", "files")
+    __slots__ = ("request_bytes", "seek_cost_bytes", "files", "request_id")
     REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEEK_COST_BYTES_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_bytes: int
     seek_cost_bytes: int
     files: _containers.RepeatedCompositeFieldContainer[FilePlan]
-    def __init__(self, request_bytes: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ...) -> None: ...
+    request_id: int
+    def __init__(self, request_bytes: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("groups",)
@@ -96,6 +98,18 @@ class WarmEvent(_message.Message):
     done: Done
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
 
+class ConsumedRequest(_message.Message):
+    __slots__ = ("request_id", "groups")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ConsumedReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -121,7 +135,7 @@ class RankStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., groups: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_failed: _Optional[int] = ..., bytes_requested: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "method", "workers", "seek_cost_bytes", "ranks", "files", "bytes_requested", "bytes_planned", "bytes_warm", "bytes_read_total", "bytes_verified_total", "throughput_bytes_per_s", "eta_s", "queue_depth", "in_flight")
+    __slots__ = ("version", "uptime_s", "method", "workers", "seek_cost_bytes", "ranks", "files", "bytes_requested", "bytes_planned", "bytes_warm", "bytes_read_total", "bytes_verified_total", "throughput_bytes_per_s", "eta_s", "queue_depth", "in_flight", "budget_bytes", "held_bytes", "waiting_for_budget", "waiting_reason")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +152,10 @@ class StatusReply(_message.Message):
     ETA_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     method: str
@@ -154,4 +172,8 @@ class StatusReply(_message.Message):
     eta_s: float
     queue_depth: int
     in_flight: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    budget_bytes: int
+    held_bytes: int
+    waiting_for_budget: int
+    waiting_reason: str
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., waiting_for_budget: _Optional[int] = ..., waiting_reason: _Optional[str] = ...) -> None: ...

@@ -44,6 +44,11 @@ class WarmerStub:
                 request_serializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Consumed = channel.unary_unary(
+                '/spanwarm.v1.Warmer/Consumed',
+                request_serializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.ConsumedRequest.SerializeToString,
+                response_deserializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.ConsumedReply.FromString,
+                _registered_method=True)
 
 
 class WarmerServicer:
@@ -64,6 +69,14 @@ class WarmerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Consumed(self, request, context):
+        """The rank has read these tensors: under a memory budget, their bytes stop counting
+        against it and warming moves on (a sliding window in consumption order).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WarmerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_WarmerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.StatusRequest.FromString,
                     response_serializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.StatusReply.SerializeToString,
+            ),
+            'Consumed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Consumed,
+                    request_deserializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.ConsumedRequest.FromString,
+                    response_serializer=spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.ConsumedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Warmer:
             '/spanwarm.v1.Warmer/Status',
             spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.StatusRequest.SerializeToString,
             spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Consumed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spanwarm.v1.Warmer/Consumed',
+            spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.ConsumedRequest.SerializeToString,
+            spanwarm_dot_rpc_dot_v1_dot_warmer__pb2.ConsumedReply.FromString,
             options,
             channel_credentials,
             insecure,

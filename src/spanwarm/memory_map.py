@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["MADV_POPULATE_READ", "madvise", "mapped", "mincore"]
+__all__ = ["MADV_POPULATE_READ", "madvise", "map_range", "mapped", "mincore", "unmap"]
 
 MADV_POPULATE_READ = 22  # Linux 5.14+; not in the mmap module of Python 3.11
 
@@ -41,17 +41,27 @@ def _errno_error(call: str) -> OSError:
     return OSError(err, f"{call}: {os.strerror(err)}")
 
 
+def map_range(fd: int, offset: int, length: int, *, flags: int = mmap.MAP_SHARED) -> int:
+    """``mmap(PROT_READ)`` of ``[offset, offset + length)`` (page-aligned offset); the address."""
+    addr = _libc.mmap(None, length, mmap.PROT_READ, flags, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        raise _errno_error("mmap")
+    return int(addr)
+
+
+def unmap(addr: int, length: int) -> None:
+    _libc.munmap(addr, length)
+
+
 @contextmanager
 def mapped(fd: int, offset: int, length: int, *, flags: int = mmap.MAP_SHARED) -> Iterator[int]:
     """The address of a PROT_READ mapping of ``[offset, offset + length)`` (page-aligned
     ``offset``), unmapped when the block ends. ``fd`` -1 with MAP_ANONYMOUS maps memory."""
-    addr = _libc.mmap(None, length, mmap.PROT_READ, flags, fd, offset)
-    if addr is None or addr == _MAP_FAILED:
-        raise _errno_error("mmap")
+    addr = map_range(fd, offset, length, flags=flags)
     try:
         yield addr
     finally:
-        _libc.munmap(addr, length)
+        unmap(addr, length)
 
 
 def madvise(addr: int, length: int, advice: int) -> int:

@@ -151,3 +151,51 @@ def test_a_client_that_never_reports_is_not_stalled_forever(tmp_path: Path) -> N
         client.close()
     assert ticket.progress.ready == 8
     assert elapsed >= 0.5  # it did wait for holds to expire at least once
+
+
+def test_hold_keeps_warmed_spans_mapped_until_read(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt", 16 * MiB)
+    spans = [TensorSpans(f"t{i}", str(path), i * 4 * MiB, 4 * MiB, 4 * MiB, 1) for i in range(4)]
+
+    def mapped_bytes(pid: int) -> int:
+        total = 0
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            if line.endswith(str(path)):
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                total += end - start
+        return total
+
+    with running_daemon("--hold", "--chunk-size", "4MiB", "--method", "read") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(spans, rank=0)
+        assert ticket.wait(timeout=30)
+        held = mapped_bytes(daemon.process.pid)
+        ticket.consumed(["t0", "t1"])
+        deadline = time.monotonic() + 10
+        while mapped_bytes(daemon.process.pid) > 8 * MiB and time.monotonic() < deadline:
+            time.sleep(0.02)
+        after_two = mapped_bytes(daemon.process.pid)
+        client.close()
+    assert held == 16 * MiB
+    assert after_two == 8 * MiB
+
+
+def test_the_daemon_derives_its_budget_from_the_cgroup(tmp_path: Path) -> None:
+    """A fake cgroup filesystem laid out where this process's cgroups say (the daemon
+    inherits them): 1 GiB limit, 256 MiB working set, so half of 768 MiB is the budget."""
+    root = tmp_path / "cgroup"
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            directory = root / path.lstrip("/")
+            write(directory / "memory.max", f"{2**30}\n")
+            write(directory / "memory.current", f"{2**28}\n")
+            write(directory / "memory.stat", "inactive_file 0\n")
+        elif "memory" in controllers.split(","):
+            directory = root / "memory" / path.lstrip("/")
+            write(directory / "memory.limit_in_bytes", f"{2**30}\n")
+            write(directory / "memory.usage_in_bytes", f"{2**28}\n")
+            write(directory / "memory.stat", "total_inactive_file 0\n")
+    with running_daemon("--cgroup-root", str(root)) as daemon:
+        status = Client(daemon.socket).status()
+    assert status["budget_bytes"] == (2**30 - 2**28) // 2

@@ -260,7 +260,15 @@ def test_bad_input_gets_its_own_status_code_and_the_daemon_keeps_serving(tmp_pat
                 list(stub.Warm(request, timeout=10))
             assert info.value.code().name == code, label
             assert fragment in (info.value.details() or ""), (label, info.value.details())
-        events = list(stub.Warm(_request([g], [one]), timeout=10))
+        call = stub.Warm(_request([g], [one]), timeout=10)
+        events = []
+        for event in call:
+            events.append(event)
+            if event.HasField("done"):  # report the tensor read: the stream then ends
+                consumed = warmer_pb2.ConsumedRequest(
+                    request_id=events[0].plan.request_id, groups=[0]
+                )
+                stub.Consumed(consumed, timeout=5)
         status = stub.Status(warmer_pb2.StatusRequest(), timeout=5)
     assert events[0].HasField("plan")
     assert events[-1].HasField("done")

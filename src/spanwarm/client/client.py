@@ -276,8 +276,8 @@ class Client:
                     ticket._mark(
                         event.failed.groups, _FAILED, f"{event.failed.code}: {event.failed.reason}"
                     )
-                elif kind == "done":
-                    break
+                # After "done" the daemon keeps the stream open until this rank has
+                # reported (Ticket.consumed) what it holds; the loop ends with the stream.
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 logger.warning(

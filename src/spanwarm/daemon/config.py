@@ -132,6 +132,13 @@ class DaemonConfig:
         kind="float",
         help="under a budget, how long warmed bytes a rank has not reported read count against it",
     )
+    hold: bool = _setting(
+        False,
+        flag="--hold",
+        kind="bool",
+        help="keep warmed spans mapped until their tensors are read (bounded by the budget), "
+        "so reclaim cannot take them in between",
+    )
     cgroup_root: str = _setting(
         "/sys/fs/cgroup",
         flag="--cgroup-root",

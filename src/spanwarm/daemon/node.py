@@ -44,7 +44,8 @@ from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method
 from spanwarm.errors import FileChangedError
-from spanwarm.residency import resident_bytes
+from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, unmap
+from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.spans import SpanTable
 
 __all__ = ["Event", "Node", "Request"]
@@ -173,6 +174,8 @@ class Request:
         )
         self.consumed = np.zeros(len(self.groups), dtype=bool)
         self.holding: set[CellKey] = set()  # warmed for it, not yet reported read
+        self.unheld = asyncio.Event()  # set while it holds nothing: its stream may end
+        self.unheld.set()
         self.cells: list[CellKey] = [
             (files[f], c)
             for f, c in zip(file_id[heads].tolist(), cell[heads].tolist(), strict=True)
@@ -260,6 +263,16 @@ def _union(ranges: Iterable[Range]) -> list[Range]:
     return out
 
 
+def _pin(fd: int, start: int, stop: int) -> tuple[int, int]:
+    """Map a warmed range and fault it in (it is resident: no I/O): mapped pages are not
+    reclaimed while the mapping lives, which is what --hold is for."""
+    base = start - start % PAGE
+    length = stop - base
+    addr = map_range(fd, base, length)
+    madvise(addr, length, MADV_POPULATE_READ)
+    return addr, length
+
+
 def _overlap(xs: list[Range], ys: list[Range]) -> int:
     """Bytes in both of two sorted, disjoint range lists (one linear pass)."""
     total = i = j = 0
@@ -308,6 +321,7 @@ class Node:
         self._holders: dict[CellKey, dict[Request, float]] = {}  # ready for it, not read yet
         self._in_flight_bytes = 0
         self._budget_blocked = False
+        self._mappings: dict[CellKey, list[tuple[int, int]]] = {}  # --hold: (address, length)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -337,10 +351,13 @@ class Node:
     def _hold(self, key: CellKey, request: Request) -> None:
         self._holders.setdefault(key, {})[request] = time.monotonic()
         request.holding.add(key)
+        request.unheld.clear()
 
     def _unhold(self, key: CellKey, request: Request) -> None:
         self._holders.get(key, {}).pop(request, None)
         request.holding.discard(key)
+        if not request.holding:
+            request.unheld.set()
 
     def _expire_holds(self) -> None:
         """Holds older than hold_seconds stop counting: a client that never reports what it
@@ -357,6 +374,8 @@ class Node:
         if self._holders.get(key) or (cell is not None and (cell.waiters or cell.in_flight)):
             return
         self._holders.pop(key, None)
+        for addr, length in self._mappings.pop(key, ()):
+            unmap(addr, length)
         released = self._held.pop(key, 0)
         if released:
             self._held_total -= released
@@ -378,6 +397,10 @@ class Node:
         self._pool.shutdown(wait=True)
         for request in list(self._requests):
             self.release(request)
+        for mappings in self._mappings.values():
+            for addr, length in mappings:
+                unmap(addr, length)
+        self._mappings.clear()
         self.files.close_all()
 
     # -- requests ----------------------------------------------------------------------
@@ -550,7 +573,7 @@ class Node:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            read, verified = await loop.run_in_executor(
+            read, verified, kept = await loop.run_in_executor(
                 self._pool, self._warm_blocking, file, ranges
             )
         except FileChangedError as exc:
@@ -562,6 +585,7 @@ class Node:
             done = time.monotonic()
             self._cells[key].warm.extend((a, b, done) for a, b in ranges)
             warmed = sum(b - a for a, b in ranges)
+            self._mappings.setdefault(key, []).extend(kept)
             self._held[key] = self._held.get(key, 0) + warmed
             self._held_total += warmed
             self.bytes_read_total += read
@@ -582,9 +606,13 @@ class Node:
             self._release_if_free(key)
             self._wake.set()
 
-    def _warm_blocking(self, file: OpenFile, ranges: list[Range]) -> tuple[int, int]:
-        """Runs in a worker: warm what is not already resident; (bytes read, bytes found)."""
+    def _warm_blocking(
+        self, file: OpenFile, ranges: list[Range]
+    ) -> tuple[int, int, list[tuple[int, int]]]:
+        """Runs in a worker: warm what is not already resident; (bytes read, bytes found,
+        mappings kept under --hold)."""
         read = verified = 0
+        kept: list[tuple[int, int]] = []
         with file.stream() as fd:
             for start, stop in ranges:
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
@@ -594,7 +622,9 @@ class Node:
                 self.engine.warm(fd, [(start, stop)])
                 read += stop - start - resident
                 verified += resident
-        return read, verified
+            if self.config.hold:
+                kept = [_pin(fd, start, stop) for start, stop in ranges]
+        return read, verified, kept
 
     # -- readiness -----------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
     )
     await health_service.enter_graceful_shutdown()
     service.draining = True
+    service.stopping.set()  # streams only waiting for ranks to report reads may end now
     try:
         if service.streams:
             await asyncio.wait_for(service.idle.wait(), config.drain_seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
@@ -40,6 +40,7 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
         self.node = node
         self.config = config
         self.draining = False
+        self.stopping = asyncio.Event()
         self.streams = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -71,6 +72,10 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
                 async for message in _drain(live):
                     yield message
                     if message.HasField("done"):
+                        # Everything is warm; the stream stays open while the rank holds
+                        # warmed bytes it has not reported read (they count against the
+                        # budget, and --hold keeps them mapped), or until shutdown.
+                        await _first(live.unheld.wait(), self.stopping.wait())
                         return
         finally:
             self.node.release(live)
@@ -98,6 +103,16 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
                 "files": [_file_plan(f) for f in status["files"]],
             },
         )
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Return when the first of these completes; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None:

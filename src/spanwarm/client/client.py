@@ -104,7 +104,7 @@ class Ticket:
 
     def consumed(self, names: Iterable[str]) -> None:
         """Tell the daemon these tensors have been read: under a memory budget, warming
-        moves on to the next ones. Never blocks the caller for long; errors are ignored."""
+        moves on to the next ones. Returns at once (the report is sent asynchronously)."""
         groups = [self._index[n] for n in names if n in self._index]
         with self._cond:
             self._unreported.extend(groups)
@@ -306,13 +306,12 @@ class Client:
         stub = self._stub()
 
         def report(request_id: int, groups: list[int]) -> None:
-            try:
-                stub.Consumed(
-                    warmer_pb2.ConsumedRequest(request_id=request_id, groups=groups),
-                    timeout=self.timeout,
-                )
-            except grpc.RpcError as exc:  # the request already ended: nothing to release
-                logger.debug("spanwarm: Consumed: %s", exc.code().name)
+            # Fire and forget: the loader must not wait for the daemon between tensors.
+            future = stub.Consumed.future(
+                warmer_pb2.ConsumedRequest(request_id=request_id, groups=groups),
+                timeout=self.timeout,
+            )
+            future.add_done_callback(_log_consumed_error)
 
         with ticket._cond:
             ticket._request_id, ticket._report = request_id, report
@@ -330,6 +329,11 @@ class Client:
         ticket = Ticket(names, [0] * len(names))
         ticket._release()
         return ticket
+
+
+def _log_consumed_error(future: Any) -> None:
+    if future.exception() is not None:  # the request already ended: nothing to release
+        logger.debug("spanwarm: Consumed: %s", future.exception())
 
 
 def message_dict(message: Any) -> dict[str, Any]:

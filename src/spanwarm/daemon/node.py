@@ -198,6 +198,9 @@ class Request:
             done.extend(self.cells[int(row)] for row in rows[self._unread[rows] == 0])
         return done
 
+    def serves_group(self, key: CellKey, group: int) -> bool:
+        return bool((self.cell_groups(key) == group).any())
+
     def may_exceed_budget(self, key: CellKey) -> bool:
         """Whether the cell may be warmed past the budget: it serves this request's first
         tensor not yet ready, and the request holds nothing else unread. A rank that has
@@ -511,12 +514,18 @@ class Node:
     def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range]] | None:
         """The next cell to warm: requests take turns, background cells go last.
 
-        Over the budget, only a cell that ``Request.may_exceed_budget`` allows still goes.
+        Until every request's first tensor is ready, only cells of first tensors go: each
+        rank is blocked on its first tensor, and sharing the storage with reads for later
+        tensors would only delay it. Over the budget, only a cell that
+        ``Request.may_exceed_budget`` allows still goes.
         """
+        starting = {r for r in self._requests if r.groups and r.state[0] == PENDING}
         participants: list[Request | None] = [*self._requests, None]
         for step in range(len(participants)):
             who = participants[(self._turn + step) % len(participants)]
-            if over_budget and who is None:
+            if who is None and (over_budget or starting):
+                continue
+            if starting and who not in starting:
                 continue
             queue = self._background_queue() if who is None else who.queue
             while queue:
@@ -526,7 +535,11 @@ class Node:
                     continue
                 if (cell is not None and cell.in_flight) or key[0] not in self._plans:
                     continue  # in flight: its waiters are re-checked when it completes
-                if over_budget and who is not None and not who.may_exceed_budget(key):
+                held_back = who is not None and (
+                    (over_budget and not who.may_exceed_budget(key))
+                    or (who in starting and not who.serves_group(key, 0))
+                )
+                if held_back:
                     queue.appendleft(key)
                     break
                 ranges = self._to_read(key)

@@ -1,4 +1,6 @@
-"""The node: every live request, one plan per file, and readiness per tensor group.
+"""The node: every live request, one plan per file, readiness per tensor group, the budget.
+
+(What one request needs, cell by cell, is kept by :mod:`spanwarm.daemon.request`.)
 
 Everything here runs on the event loop thread; only the blocking warm operations run
 in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of a file
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -35,37 +36,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from spanwarm.costmodel import FilePlan, plan_file
-from spanwarm.daemon.admission import AdmittedRequest, FileTable, OpenFile
+from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
+from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Range, Request
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, unmap
 from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.spans import SpanTable
 
-__all__ = ["Event", "Node", "Request"]
+__all__ = ["Node"]
 
 logger = logging.getLogger("spanwarm.daemon")
-
-CellKey = tuple[OpenFile, int]
-Range = tuple[int, int]
-
-PENDING, READY, FAILED = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Event:
-    """One message for a request's stream: ``kind`` is ready, failed or done."""
-
-    kind: str
-    groups: tuple[int, ...] = ()
-    code: str = ""
-    reason: str = ""
 
 
 @dataclass
@@ -73,166 +59,6 @@ class Cell:
     warm: list[tuple[int, int, float]] = field(default_factory=list)  # (start, stop, completed)
     in_flight: bool = False
     waiters: set[Request] = field(default_factory=set)
-
-
-def _touches(
-    table: SpanTable, groups: npt.NDArray[np.int64], size: int, chunk: int, file_id: int
-) -> tuple[npt.NDArray[np.int64], ...]:
-    """Every (file, cell, lo, hi, group, span) where a span has bytes in a cell: [lo, hi)
-    is the hull of that span's rows inside the cell."""
-    keep = (table.length > 0) & (table.count > 0)
-    span_ids = np.flatnonzero(keep)
-    off, length = table.offset[keep], table.length[keep]
-    stride = np.where(table.stride[keep] > 0, table.stride[keep], 1)
-    count = np.where(table.stride[keep] > 0, table.count[keep], 1)
-    end = off + (count - 1) * stride + length
-    first_cell, last_cell = off // chunk, (end - 1) // chunk
-    cells_per_span = last_cell - first_cell + 1
-    pair = np.repeat(np.arange(len(off)), cells_per_span)
-    cell = np.repeat(first_cell, cells_per_span) + (
-        np.arange(len(pair)) - np.repeat(np.cumsum(cells_per_span) - cells_per_span, cells_per_span)
-    )
-    o, ln, st, ct = off[pair], length[pair], stride[pair], count[pair]
-    c0 = cell * chunk
-    c1 = np.minimum(c0 + chunk, size)
-    first_row = np.maximum(0, (c0 - o - ln) // st + 1)  # first row ending past c0
-    last_row = np.minimum(ct - 1, (c1 - 1 - o) // st)  # last row starting before c1
-    hit = first_row <= last_row
-    lo = np.maximum(c0, o + first_row * st)[hit]
-    hi = np.minimum(c1, o + last_row * st + ln)[hit]
-    span = span_ids[pair[hit]]
-    return (np.full(len(span), file_id, np.int64), cell[hit], lo, hi, groups[span], span)
-
-
-class Request:
-    """A rank's live interest: its spans, what each group waits for, its event queue.
-
-    Per cell it touches (a *row*): the hull of its bytes there, and the groups waiting
-    for it (flat arrays, CSR-style: a million spans stay a few hundred bytes each).
-    """
-
-    _ids = itertools.count(1)
-
-    def __init__(self, admitted: AdmittedRequest, chunk: int) -> None:
-        self.id = next(self._ids)
-        self.job = admitted.job
-        self.rank = admitted.rank
-        self.groups = admitted.groups
-        self.arrival = time.monotonic()
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.files: dict[OpenFile, SpanTable] = {}
-        self.state = np.zeros(len(self.groups), dtype=np.int8)
-        self.remaining = np.zeros(len(self.groups), dtype=np.int64)
-        self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)
-        self.finished = False
-        unique: dict[OpenFile, int] = {}
-        parts = []
-        for position, file in enumerate(admitted.files):
-            table = admitted.spans[position]
-            groups = admitted.span_groups[position]
-            self.files[file] = (
-                SpanTable.concat([self.files[file], table]) if file in self.files else table
-            )
-            np.add.at(self.group_bytes, groups, table.length * table.count)
-            index = unique.setdefault(file, len(unique))
-            parts.append(_touches(table, groups, file.size, chunk, index))
-        self._index(parts, list(unique))
-
-    def _index(self, parts: list[tuple[npt.NDArray[np.int64], ...]], files: list[OpenFile]) -> None:
-        """Group (file, cell, lo, hi, group, span) pairs into rows: one per cell touched."""
-        file_id, cell, lo, hi, group, span = (
-            np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64)
-            for i in range(6)
-        )
-        order = np.lexsort((group, cell, file_id))
-        file_id, cell, lo, hi, group, span = (
-            a[order] for a in (file_id, cell, lo, hi, group, span)
-        )
-        new_row = np.ones(len(cell), dtype=bool)
-        new_row[1:] = (cell[1:] != cell[:-1]) | (file_id[1:] != file_id[:-1])
-        heads = np.flatnonzero(new_row)
-        if len(heads):
-            self.hull_lo = np.minimum.reduceat(lo, heads)
-            self.hull_hi = np.maximum.reduceat(hi, heads)
-            first_span = np.minimum.reduceat(span, heads)
-        else:
-            self.hull_lo = self.hull_hi = first_span = np.zeros(0, np.int64)
-        distinct = new_row.copy()
-        distinct[1:] |= group[1:] != group[:-1]
-        row_of_pair = np.cumsum(new_row) - 1
-        self._group_flat = group[distinct].astype(np.int32)
-        self._group_ptr = np.searchsorted(row_of_pair[distinct], np.arange(len(heads) + 1))
-        np.add.at(self.remaining, self._group_flat, 1)
-        # Consumption: groups left unread per row, and each group's rows (inverse CSR).
-        per_row = np.diff(self._group_ptr)
-        self._unread = per_row.astype(np.int64)
-        row_of_entry = np.repeat(np.arange(len(per_row)), per_row)
-        by_group = np.argsort(self._group_flat, kind="stable")
-        self._rows_by_group = row_of_entry[by_group]
-        self._rows_ptr = np.searchsorted(
-            self._group_flat[by_group], np.arange(len(self.groups) + 1)
-        )
-        self.consumed = np.zeros(len(self.groups), dtype=bool)
-        self.holding: set[CellKey] = set()  # warmed for it, not yet reported read
-        self.unheld = asyncio.Event()  # set while it holds nothing: its stream may end
-        self.unheld.set()
-        self.cells: list[CellKey] = [
-            (files[f], c)
-            for f, c in zip(file_id[heads].tolist(), cell[heads].tolist(), strict=True)
-        ]
-        self._row = {key: row for row, key in enumerate(self.cells)}
-        self.queue: collections.deque[CellKey] = collections.deque(
-            self.cells[row] for row in np.argsort(first_span, kind="stable").tolist()
-        )
-        self.pending: set[CellKey] = set(self.cells)
-
-    def consume(self, groups: Iterable[int]) -> list[CellKey]:
-        """Mark groups read; return the cells in which nothing of this request is left unread."""
-        done: list[CellKey] = []
-        for group in groups:
-            if not 0 <= group < len(self.groups) or self.consumed[group]:
-                continue
-            self.consumed[group] = True
-            rows = self._rows_by_group[self._rows_ptr[group] : self._rows_ptr[group + 1]]
-            self._unread[rows] -= 1
-            done.extend(self.cells[int(row)] for row in rows[self._unread[rows] == 0])
-        return done
-
-    def serves_group(self, key: CellKey, group: int) -> bool:
-        return bool((self.cell_groups(key) == group).any())
-
-    def may_exceed_budget(self, key: CellKey) -> bool:
-        """Whether the cell may be warmed past the budget: it serves this request's first
-        tensor not yet ready, and the request holds nothing else unread. A rank that has
-        read everything warmed for it is waiting on exactly this: without it, nothing
-        would ever be read and released. A rank still holding unread tensors waits."""
-        pending = np.flatnonzero(self.state == PENDING)
-        if not pending.size:
-            return False
-        first = pending[0]
-        return all(bool((self.cell_groups(k) == first).any()) for k in (key, *self.holding))
-
-    def hull(self, key: CellKey) -> Range:
-        row = self._row[key]
-        return int(self.hull_lo[row]), int(self.hull_hi[row])
-
-    def cell_groups(self, key: CellKey) -> npt.NDArray[np.int32]:
-        row = self._row[key]
-        return self._group_flat[self._group_ptr[row] : self._group_ptr[row + 1]]
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.group_bytes.sum())
-
-    @property
-    def resolved(self) -> bool:
-        return not bool((self.state == PENDING).any())
-
-    def __hash__(self) -> int:
-        return self.id
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
 
 
 def _clip(runs: Iterable[Range], lo: int, hi: int) -> list[Range]:

@@ -14,7 +14,8 @@ from spanwarm import __version__
 from spanwarm.costmodel import FilePlan
 from spanwarm.daemon.admission import admit
 from spanwarm.daemon.config import DaemonConfig
-from spanwarm.daemon.node import FAILED, READY, Event, Node, Request
+from spanwarm.daemon.node import Node
+from spanwarm.daemon.request import FAILED, READY, Event, Request
 from spanwarm.errors import SpanwarmError
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 

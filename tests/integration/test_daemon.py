@@ -512,3 +512,23 @@ def test_status_watch_runs_until_interrupted(tmp_path: Path) -> None:
         out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     assert "planned" in out
+
+
+def test_files_are_closed_when_requests_end_even_when_named_twice(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "f", 2 * MiB)
+    alias = tmp_path / "alias"
+    alias.symlink_to(path)  # another name for the same file: two table entries, one open file
+
+    def open_fds(pid: int) -> int:
+        fds = Path(f"/proc/{pid}/fd")
+        return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path))
+
+    with running_daemon("--method", "read") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, MiB), span("b", alias, MiB, MiB)], rank=0)
+        assert ticket.wait(timeout=30)
+        assert open_fds(daemon.process.pid) == 1
+        ticket.consumed(["a", "b"])
+        assert ticket.finished.wait(10)  # the stream ended: the request is gone
+        wait_for(lambda: open_fds(daemon.process.pid) == 0)
+        client.close()

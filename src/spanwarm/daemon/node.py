@@ -274,7 +274,7 @@ class Node:
                     k for k in self._cells if k[0] is file and not self._cells[k].in_flight
                 ]:
                     del self._cells[key]
-        for file in request.files:
+        for file in request.acquired:
             self.files.release(file)
         for key in request.cells:
             self._release_if_free(key)

@@ -84,6 +84,7 @@ class Request:
         self.arrival = time.monotonic()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.files: dict[OpenFile, SpanTable] = {}
+        self.acquired = list(admitted.files)  # one file-table reference per listed path
         self.state = np.zeros(len(self.groups), dtype=np.int8)
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)
         self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)

@@ -49,9 +49,13 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
     async def Warm(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        # stat/open may block on a network mount, and 1M spans take a while to index.
+        admission = asyncio.get_running_loop().run_in_executor(None, self._admit, request)
         try:
-            # stat/open may block on a network mount, and 1M spans take a while to index.
-            live = await asyncio.to_thread(self._admit, request)
+            live = await asyncio.shield(admission)
+        except asyncio.CancelledError:  # the client left while we admitted: give files back
+            admission.add_done_callback(self._abandon)
+            raise
         except SpanwarmError as exc:
             logger.info("refused a request from job %r rank %d: %s", request.job, request.rank, exc)
             self.node.metrics.errors.labels(exc.grpc_code).inc()
@@ -83,6 +87,11 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
             self.streams -= 1
             if not self.streams:
                 self.idle.set()
+
+    def _abandon(self, admission: asyncio.Future[Request]) -> None:
+        if not admission.cancelled() and admission.exception() is None:
+            for file in admission.result().acquired:
+                self.node.files.release(file)
 
     def _admit(self, request: Any) -> Request:
         live = Request(admit(request, self.node.files, self.config), self.node.chunk)

@@ -8,25 +8,16 @@ import os
 import sys
 from typing import Any
 
+from spanwarm.cli.arguments import path_range
 from spanwarm.residency import residency_trusted, resident_bytes
-from spanwarm.units import format_bytes, parse_size
-
-
-def _target(text: str) -> tuple[str, int, int | None]:
-    parts = text.rsplit(":", 2)
-    if len(parts) == 3:
-        try:
-            return parts[0], parse_size(parts[1]), parse_size(parts[2])
-        except ValueError:
-            pass  # a path with colons in it
-    return text, 0, None
+from spanwarm.units import format_bytes
 
 
 def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         "residency", help="how much of each file (or range) is in the page cache"
     )
-    parser.add_argument("targets", nargs="+", type=_target, metavar="PATH[:OFFSET:LENGTH]")
+    parser.add_argument("targets", nargs="+", type=path_range, metavar="PATH[:OFFSET:LENGTH]")
     parser.add_argument("--json", action="store_true", help="one JSON object per target")
     parser.set_defaults(run=run)
 

@@ -8,24 +8,18 @@ import sys
 import time
 from typing import Any
 
+from spanwarm.cli.arguments import path_range
 from spanwarm.client import Client, TensorSpans
-from spanwarm.units import format_bytes, parse_size
+from spanwarm.units import format_bytes
 
 
 def _target(text: str) -> TensorSpans:
-    path, offset, length = text, 0, -1
-    parts = text.rsplit(":", 2)
-    if len(parts) == 3:
-        try:
-            offset, length = parse_size(parts[1]), parse_size(parts[2])
-            path = parts[0]
-        except ValueError:
-            pass  # a path with colons in it
+    path, offset, length = path_range(text)
     try:
         size = os.stat(path).st_size
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"{path}: {exc.strerror}") from None
-    if length < 0:
+    if length is None:
         length = size - offset
     return TensorSpans(text, os.path.abspath(path), offset, length, max(length, 1), 1)
 

@@ -38,15 +38,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from spanwarm import placements as model
 from spanwarm.client import Client
+from spanwarm.client.rank_spans import model_placements
 from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 
 TP = 4
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head")
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-def _to_model(placements: list[Placement]) -> list[model.Placement]:
-    return [model.Shard(p.dim) if isinstance(p, Shard) else model.Replicate() for p in placements]
 
 
 def build_state_dict(
@@ -142,7 +139,9 @@ def main() -> None:
         if isinstance(value, DTensor):
             coordinate = mesh.get_coordinate()
             assert coordinate is not None
-            runs = model.local_index_runs(info.shape, mesh.shape, coordinate, _to_model(placements))
+            layout = model_placements(placements)
+            assert layout is not None
+            runs = model.local_index_runs(info.shape, mesh.shape, coordinate, layout)
         else:
             runs = tuple(((0, size),) for size in info.shape)
         for box in itertools.product(*runs):

@@ -27,7 +27,7 @@ from spanwarm.tensor_layout import TensorSpans, global_shape, stored_tensor_span
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KeyMap", "TensorSpans", "rank_spans"]
+__all__ = ["KeyMap", "TensorSpans", "model_placements", "rank_spans"]
 
 logger = logging.getLogger("spanwarm.client")
 
@@ -46,7 +46,7 @@ def _mapper(key_map: KeyMap | None) -> Callable[[str], str | None]:
     return lambda name: mapping.get(name, name)
 
 
-def _model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
+def model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
     """torch placements -> :mod:`spanwarm.placements`; None if one is not understood."""
     from torch.distributed.tensor.placement_types import Shard as TorchShard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -79,7 +79,7 @@ def _needed_runs(
     shape = tuple(value.shape)
     f4_packed = stored_dtype == "F4" and str(value.dtype) == "torch.float4_e2m1fn_x2"
     logical = (*shape[:-1], shape[-1] * 2) if f4_packed and shape else shape
-    placements = _model_placements(value.placements)
+    placements = model_placements(value.placements)
     if logical != stored_shape or placements is None:
         why = (
             f"unsupported placements {value.placements}"

@@ -22,13 +22,12 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from spanwarm.calibrate import read_ranges, spans_covering
+from spanwarm.calibrate import Calibration, calibrate, spans_covering
+from spanwarm.calibrate import Point as CalibrationPoint
 from spanwarm.costmodel import DEFAULT_SEEK_COST, plan_file
 from spanwarm.spans import SpanTable
 from spanwarm.units import format_bytes
@@ -40,15 +39,6 @@ WORKERS = 8
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 # The slowest mount pays 50 ms per span: start it where a point takes seconds, not minutes.
 SMALLEST = {"local": 4 << 10, "nfs-like": 16 << 10, "cross-region": 256 << 10}
-
-
-@dataclass(frozen=True)
-class Point:
-    size: int
-    spans: int
-    spans_s: float
-    whole_s: float
-    ranges: list[tuple[int, int]]
 
 
 def decision(ranges: list[tuple[int, int]], file_size: int, seek_cost: int) -> str:
@@ -82,81 +72,67 @@ def mounted(source: Path, preset: str) -> Iterator[Path | None]:
         yield Path(mnt) / source.name
 
 
-def measure(path: Path, preset: str, reps: int) -> dict[str, Any]:
-    file_size = path.stat().st_size
-    whole = [(0, file_size)]
-    points: list[Point] = []
-    for size in [s for s in SIZES if s >= SMALLEST[preset]]:
-        ranges = spans_covering(file_size, size, 1 / FRACTION)
-        spans_t, whole_t = [], []
-        for _ in range(reps):  # paired and interleaved: whole, then spans
-            whole_t.append(read_ranges(str(path), whole, WORKERS))
-            spans_t.append(read_ranges(str(path), ranges, WORKERS))
-        point = Point(
-            size, len(ranges), statistics.median(spans_t), statistics.median(whole_t), ranges
-        )
-        points.append(point)
+def measure(path: Path, preset: str, reps: int) -> Calibration:
+    """``spanwarm calibrate``'s measurement, with the daemon's 8 workers."""
+
+    def show(point: CalibrationPoint) -> None:
         print(
-            f"  {preset} {format_bytes(size)}: {point.spans} spans {point.spans_s:.2f} s, "
-            f"whole {point.whole_s:.2f} s",
+            f"  {preset} {format_bytes(point.span_bytes)}: {point.spans} spans "
+            f"{point.spans_s:.2f} s, whole {point.whole_s:.2f} s",
             flush=True,
         )
-    whole_s = statistics.median(p.whole_s for p in points)
-    # Per extra span: the slope between the largest and the smallest span counts.
-    few, many = points[-1], points[0]
-    per_span = max(0.0, (many.spans_s - few.spans_s) / (many.spans - few.spans))
-    calibrated = int(per_span * file_size / whole_s)
-    return {"preset": preset, "points": points, "whole_s": whole_s, "seek_cost": calibrated}
+
+    sizes = [s for s in SIZES if s >= SMALLEST[preset]]
+    return calibrate(
+        str(path), sizes=sizes, fraction=1 / FRACTION, workers=WORKERS, repeats=reps, progress=show
+    )
 
 
-def report(results: list[dict[str, Any]], file_size: int, command: str) -> str:
+def report(results: list[tuple[str, Calibration]], file_size: int, command: str) -> str:
     lines = [
         "\n## Sparse spans and the cost model\n",
         f"```console\n{command}\n```\n",
         f"12.5% of a {format_bytes(file_size)} file, 8 workers, `read`, evicted before each "
         "read; medians of paired runs (whole file, then spans).\n",
     ]
-    for r in results:
+    for preset, result in results:
         lines += [
-            f"\n### `{r['preset']}` (calibrated seek cost {format_bytes(r['seek_cost'])})\n",
+            f"\n### `{preset}` (calibrated seek cost {format_bytes(result.seek_cost)})\n",
             "| span | spans | 12.5% as spans | whole file | faster "
             "| model @ 12 MiB | model @ calibrated |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
-        breakeven = None
-        for p in r["points"]:
-            faster = "spans" if p.spans_s < p.whole_s else "whole"
-            if faster == "spans" and breakeven is None:
-                breakeven = p.size
+        for p in result.points:
+            ranges = spans_covering(file_size, p.span_bytes, result.fraction)
             lines.append(
-                f"| {format_bytes(p.size)} | {p.spans} | {p.spans_s:.2f} s "
+                f"| {format_bytes(p.span_bytes)} | {p.spans} | {p.spans_s:.2f} s "
                 f"| {p.whole_s:.2f} s "
-                f"| {faster} | {decision(p.ranges, file_size, DEFAULT_SEEK_COST)} "
-                f"| {decision(p.ranges, file_size, r['seek_cost'])} |"
+                f"| {'spans' if p.spans_s < p.whole_s else 'whole'} "
+                f"| {decision(ranges, file_size, DEFAULT_SEEK_COST)} "
+                f"| {decision(ranges, file_size, result.seek_cost)} |"
             )
         lines.append(
-            f"\nBreak-even: spans win from {format_bytes(breakeven)} up."
-            if breakeven
+            f"\nBreak-even: spans win from {format_bytes(result.breakeven)} up."
+            if result.breakeven
             else "\nSpans never won here."
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot(results: list[tuple[str, Calibration]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        xs = [p.size for p in r["points"]]
+    for preset, result in results:
+        xs = [p.span_bytes for p in result.points]
         (line,) = ax.plot(
-            xs, [p.spans_s for p in r["points"]], marker="o", label=f"{r['preset']}: spans"
+            xs, [p.spans_s for p in result.points], marker="o", label=f"{preset}: spans"
         )
-        ax.axhline(
-            r["whole_s"], color=line.get_color(), linestyle="--", label=f"{r['preset']}: whole file"
-        )
+        whole_s = statistics.median(p.whole_s for p in result.points)
+        ax.axhline(whole_s, color=line.get_color(), linestyle="--", label=f"{preset}: whole file")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("span size (bytes)")
@@ -193,7 +169,7 @@ def main() -> None:
     for preset in args.mounts.split(","):
         with mounted(source, preset) as path:
             if path is not None:
-                results.append(measure(path, preset, args.reps))
+                results.append((preset, measure(path, preset, args.reps)))
     text = report(results, args.size, "python bench/bench_spans.py " + " ".join(sys.argv[1:]))
     print(text)
     if args.markdown:

@@ -89,6 +89,30 @@ def test_first_tensor_is_ready_long_before_the_last(tmp_path: Path) -> None:
     assert first < total / 2, (first, total)
 
 
+def test_a_late_rank_sharing_a_cell_still_gets_its_first_tensor(tmp_path: Path) -> None:
+    # One worker. Rank 0's second tensor (cell 2) is in flight when rank 1 arrives needing
+    # more of that cell plus a first tensor elsewhere; when the read completes, the cell
+    # goes back to the front of rank 1's queue, ahead of its first tensor, which must
+    # still go first (it once stalled there, held back by the first-tensors-first rule).
+    path = cold_file(tmp_path / "ckpt.safetensors", 32 * MiB)
+    flags = ("--method", "read", "--throttle", "4MiB", "--chunk-size", "4MiB", "--workers", "1")
+    with running_daemon(*flags, "--seek-cost", "0") as daemon:
+        early, late = Client(daemon.socket), Client(daemon.socket)
+        rank0 = early.request(
+            [span("s0", path, 0, 64 * 1024), span("s1", path, 8 * MiB, 2 * MiB)], rank=0
+        )
+        assert rank0.wait(["s0"], timeout=30)
+        rank1 = late.request(
+            [span("r0", path, 20 * MiB, 64 * 1024), span("r1", path, 8 * MiB, 4 * MiB)], rank=1
+        )
+        assert rank1.wait(["r0"], timeout=20)
+        assert rank1.wait(timeout=20)
+        assert rank0.wait(timeout=20)
+        assert rank1.progress.ready == 2
+        early.close()
+        late.close()
+
+
 def test_a_rank_that_goes_away_releases_its_interest(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "ckpt.safetensors", 64 * MiB)
     spans = [span(f"t{i}", path, i * 4 * MiB, 4 * MiB) for i in range(16)]

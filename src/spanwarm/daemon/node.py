@@ -115,6 +115,18 @@ def _overlap(xs: list[Range], ys: list[Range]) -> int:
     return total
 
 
+def _requeue(request: Request, key: CellKey) -> None:
+    """Put ``key`` back at the front of the request's queue, but behind its first tensor's
+    cells while that tensor is not ready: until then ``Node._next`` dispatches only those
+    and stops at the first other cell, so one in front would stall the request."""
+    queue = request.queue
+    at = 0
+    if request.state[0] == PENDING and not request.serves_group(key, 0):
+        while at < len(queue) and request.serves_group(queue[at], 0):
+            at += 1
+    queue.insert(at, key)
+
+
 class Node:
     """Owns the live requests, the plans and the warm workers of one daemon."""
 
@@ -476,7 +488,7 @@ class Node:
             if key not in request.pending:
                 continue
             if not self._satisfied(request, key):
-                request.queue.appendleft(key)  # the read did not cover it: go again, first
+                _requeue(request, key)  # the read did not cover it: go again, first
                 continue
             request.pending.discard(key)
             cell.waiters.discard(request)

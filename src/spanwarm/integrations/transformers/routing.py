@@ -1,0 +1,113 @@
+"""Checkpoint key -> state-dict key or conversion route, decided by transformers itself.
+
+transformers renames every checkpoint key with all of the model's ``WeightRenaming``s and
+then at most one ``WeightConverter`` (``core_model_loading.rename_source_key``), adding or
+stripping the base-model prefix against the meta state dict. Calling that same function
+keeps spanwarm right for every model family and scoping rule transformers knows; only
+the conversion operations are translated, into :mod:`spanwarm.conversions` ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from spanwarm.client.rank_spans import rank_spans
+from spanwarm.conversions import Chunk, Concat, Converted, Op, OtherOp, Stack, natural_key
+from spanwarm.safetensors_header import Checkpoint
+from spanwarm.tensor_layout import TensorSpans
+
+__all__ = ["REQUIRED", "checkpoint_routes", "load_spans", "spanwarm_ops"]
+
+REQUIRED = {
+    "transformers.core_model_loading": (
+        "rename_source_key",
+        "WeightConverter",
+        "WeightRenaming",
+        "MergeModulelist",
+        "Concatenate",
+        "Chunk",
+    ),
+}
+"""The internals this module reads; the integration checks them before it patches anything."""
+
+
+def spanwarm_ops(operations: Iterable[Any]) -> tuple[Op, ...]:
+    """transformers ``ConversionOps`` -> spanwarm ops; unknown ones become :class:`OtherOp`."""
+    from transformers.core_model_loading import Chunk as TfChunk
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    out: list[Op] = []
+    for op in operations:
+        if type(op) is MergeModulelist:  # exact types: a subclass may reorder data
+            out.append(Stack(int(op.dim)))
+        elif type(op) is Concatenate:
+            out.append(Concat(int(op.dim)))
+        elif type(op) is TfChunk:
+            out.append(Chunk(int(op.dim)))
+        else:
+            out.append(OtherOp(type(op).__name__))
+    return tuple(out)
+
+
+def checkpoint_routes(
+    keys: Iterable[str],
+    weight_mapping: Sequence[Any] | None,
+    meta_state_dict: dict[str, Any],
+    base_model_prefix: str | None,
+) -> Callable[[str], str | Converted | None]:
+    """Where transformers puts each of ``keys``: a key map for :func:`spanwarm.rank_spans`.
+
+    A key that reaches no state-dict entry maps to None: transformers never reads it.
+    """
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    mapping = list(weight_mapping or ())
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    ops = {id(c): spanwarm_ops(getattr(c, "operations", ())) for c in converters}
+    # rename_source_key marks a transform as used, which decides what save_pretrained
+    # writes back; routing ahead of transformers must leave that as it was.
+    used = [getattr(t, "_was_used", None) for t in mapping]
+    routes: dict[str, str | Converted | None] = {}
+    try:
+        for key in keys:
+            target, pattern = rename_source_key(
+                key, renamings, converters, base_model_prefix, meta_state_dict
+            )
+            if target not in meta_state_dict and key in meta_state_dict:
+                target, pattern = rename_source_key(key, [], [], base_model_prefix, meta_state_dict)
+            if target not in meta_state_dict:
+                routes[key] = None
+            elif pattern is None:
+                routes[key] = target
+            else:
+                routes[key] = Converted(target, pattern, ops[id(by_pattern[pattern])])
+    finally:
+        for transform, flag in zip(mapping, used, strict=True):
+            if flag is not None:
+                object.__setattr__(transform, "_was_used", flag)
+    return routes.get
+
+
+def load_spans(
+    model: Any, checkpoint: Checkpoint, weight_mapping: Sequence[Any] | None
+) -> list[TensorSpans]:
+    """What this rank reads of ``checkpoint`` when transformers loads it into ``model`` (a
+    distributed meta model), in the order transformers reads it."""
+    names = sorted(checkpoint.pieces, key=natural_key)
+    meta_state_dict = model.state_dict()
+    route = checkpoint_routes(names, weight_mapping, meta_state_dict, model.base_model_prefix)
+    targets = set()
+    for name in names:
+        to = route(name)
+        targets.add(to.target if isinstance(to, Converted) else to)
+    state = {k: v for k, v in meta_state_dict.items() if k in targets}
+    spans = rank_spans(state, checkpoint, key_map=route, unmatched="skip")
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(spans, key=lambda s: order[s.tensor])

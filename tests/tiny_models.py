@@ -31,7 +31,7 @@ MOE_CONFIGS: dict[str, dict[str, int]] = {
 _SMALL: dict[str, Any] = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
-def _configs() -> dict[str, Any]:
+def _configs(experts: int) -> dict[str, Any]:
     from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig, Starcoder2Config
 
     return {
@@ -56,7 +56,7 @@ def _configs() -> dict[str, Any]:
             vocab_size=1000,
             intermediate_size=96,
             num_key_value_heads=4,
-            num_local_experts=8,
+            num_local_experts=experts,
             num_experts_per_tok=2,
             **_SMALL,
         ),
@@ -64,7 +64,7 @@ def _configs() -> dict[str, Any]:
             vocab_size=1000,
             intermediate_size=256,
             moe_intermediate_size=96,
-            num_experts=8,
+            num_experts=experts,
             num_experts_per_tok=2,
             num_key_value_heads=2,
             **{**_SMALL, "head_dim": 32},
@@ -76,14 +76,14 @@ MODELS = ("llama", "starcoder2", "mixtral", "qwen3_moe")
 MOE_MODELS = ("mixtral", "qwen3_moe")
 
 
-def build_model(name: str, root: Path, *, seed: int = 0) -> dict[str, Path]:
+def build_model(name: str, root: Path, *, seed: int = 0, experts: int = 8) -> dict[str, Path]:
     """Save model ``name`` under ``root``: {layout: directory}, layouts per_expert/packed
     for MoE models and ``dense`` otherwise."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    config = _configs()[name]
+    config = _configs(experts)[name]
     torch.manual_seed(seed)
     auto = transformers.AutoModelForCausalLM
     model = auto.from_config(config).to(torch.bfloat16)  # type: ignore[no-untyped-call]

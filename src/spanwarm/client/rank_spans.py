@@ -68,8 +68,17 @@ def model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
     return tuple(out)
 
 
+def _coordinate(mesh: Any, rank: int | None) -> tuple[int, ...] | None:
+    """Where ``rank`` (this process, if None) sits in ``mesh``; None when outside it."""
+    if rank is None:
+        coordinate = mesh.get_coordinate()
+        return None if coordinate is None else tuple(coordinate)
+    where = (mesh.mesh == rank).nonzero()
+    return tuple(int(i) for i in where[0].tolist()) if len(where) else None
+
+
 def _needed_runs(
-    name: str, value: Any, stored_shape: tuple[int, ...], stored_dtype: str
+    name: str, value: Any, stored_shape: tuple[int, ...], stored_dtype: str, rank: int | None
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
     """Global index runs this rank reads of ``name``: None = all of it, False = none."""
     from torch.distributed.tensor import DTensor
@@ -77,7 +86,7 @@ def _needed_runs(
     if not isinstance(value, DTensor):
         return Everything
     mesh = value.device_mesh
-    coordinate = mesh.get_coordinate()
+    coordinate = _coordinate(mesh, rank)
     if coordinate is None:
         return False
     shape = tuple(value.shape)
@@ -99,7 +108,12 @@ def _needed_runs(
 
 
 def _converted_runs(
-    name: str, value: Any, route: Converted, index: int, stored_shape: tuple[int, ...]
+    name: str,
+    value: Any,
+    route: Converted,
+    index: int,
+    stored_shape: tuple[int, ...],
+    rank: int | None,
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
     """What this rank reads of a checkpoint tensor a conversion turns into ``value``."""
     from torch.distributed.tensor import DTensor
@@ -107,7 +121,7 @@ def _converted_runs(
     if not isinstance(value, DTensor):
         return Everything
     mesh = value.device_mesh
-    coordinate = mesh.get_coordinate()
+    coordinate = _coordinate(mesh, rank)
     if coordinate is None:
         return False
     placements = model_placements(value.placements)
@@ -151,6 +165,7 @@ def rank_spans(
     key_map: KeyMap | None = None,
     conversions: Sequence[Conversion] = (),
     unmatched: Literal["warm", "skip"] = "warm",
+    rank: int | None = None,
 ) -> list[TensorSpans]:
     """The byte spans of ``checkpoint`` this rank reads to fill ``state_dict``.
 
@@ -162,7 +177,9 @@ def rank_spans(
     order, as transformers collects them). Checkpoint tensors that reach no state-dict
     key are listed whole (``unmatched="warm"``: a loader probably reads them through
     some conversion) or left out (``"skip"``). Spans come grouped by tensor in
-    state-dict order, then unmatched tensors in file order. Pure: no daemon involved.
+    state-dict order, then unmatched tensors in file order. ``rank`` computes the spans of
+    that global rank instead of this process's (what-if planning: the placements are the
+    same on every rank, only the mesh coordinate differs). Pure: no daemon involved.
     """
     if unmatched not in ("warm", "skip"):
         raise ValueError(f"unmatched must be 'warm' or 'skip', not {unmatched!r}")
@@ -198,9 +215,9 @@ def rank_spans(
             pieces = ckpt.pieces[name]
             shape = global_shape(pieces)
             runs = (
-                _needed_runs(name, value, shape, pieces[0][1].dtype)
+                _needed_runs(name, value, shape, pieces[0][1].dtype, rank)
                 if converted is None
-                else _converted_runs(name, value, converted, index, shape)
+                else _converted_runs(name, value, converted, index, shape, rank)
             )
             if runs is not False:
                 out.extend(stored_tensor_spans(name, pieces, runs))

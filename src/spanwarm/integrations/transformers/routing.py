@@ -96,10 +96,14 @@ def checkpoint_routes(
 
 
 def load_spans(
-    model: Any, checkpoint: Checkpoint, weight_mapping: Sequence[Any] | None
+    model: Any,
+    checkpoint: Checkpoint,
+    weight_mapping: Sequence[Any] | None,
+    *,
+    rank: int | None = None,
 ) -> list[TensorSpans]:
-    """What this rank reads of ``checkpoint`` when transformers loads it into ``model`` (a
-    distributed meta model), in the order transformers reads it."""
+    """What this rank (or global ``rank``) reads of ``checkpoint`` when transformers loads it
+    into ``model`` (a distributed meta model), in the order transformers reads it."""
     names = sorted(checkpoint.pieces, key=natural_key)
     meta_state_dict = model.state_dict()
     route = checkpoint_routes(names, weight_mapping, meta_state_dict, model.base_model_prefix)
@@ -108,6 +112,6 @@ def load_spans(
         to = route(name)
         targets.add(to.target if isinstance(to, Converted) else to)
     state = {k: v for k, v in meta_state_dict.items() if k in targets}
-    spans = rank_spans(state, checkpoint, key_map=route, unmatched="skip")
+    spans = rank_spans(state, checkpoint, key_map=route, unmatched="skip", rank=rank)
     order = {name: i for i, name in enumerate(names)}
     return sorted(spans, key=lambda s: order[s.tensor])

@@ -1,10 +1,13 @@
 """What every rank of a transformers job would read, with no accelerator and no job.
 
-For each rank, torch's fake process group stands in for the real one: transformers
-builds its device meshes, the model on meta and its parallel plans exactly as
-``from_pretrained(distributed_config=...)`` would (``prepare_distribute_model``, the
-init context, ``maybe_distribute_model``), and the meta state dict's placements then
-give that rank's spans, conversions included.
+torch's fake process group stands in for the real one: transformers builds its device
+meshes, the model on meta and its parallel plans exactly as
+``from_pretrained(distributed_config=...)`` would (``prepare_distribute_model``, the init
+context, ``maybe_distribute_model``). The placements are the same on every rank, so one
+meta model serves them all: each rank's spans come from its coordinate in each
+parameter's mesh. (Building one model per rank in one process does not work: torch
+caches sharding results keyed by mesh layout, and hands back the first rank's mesh.)
+Pipeline parallelism gives ranks different layers and is not planned here.
 """
 
 from __future__ import annotations
@@ -60,19 +63,18 @@ def rank_load_spans(
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ParallelismError(f"{model_dir}: {exc}") from exc
 
-    out: dict[int, list[TensorSpans]] = {}
-    for rank in ranks:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        try:
-            dc, _, mesh_manager = model_class.prepare_distribute_model(distributed_config)
-            config.distributed_config = dc
-            with ContextManagers(model_class.get_init_context(torch.bfloat16, False, False, False)):
-                model = model_class(config)
-            model = model_class.maybe_distribute_model(model, dc, mesh_manager)
-            mapping = get_model_conversion_mapping(model, None, None)
-            out[rank] = load_spans(model, checkpoint, mapping)
-        except (ValueError, KeyError, RuntimeError, AssertionError) as exc:
-            raise ParallelismError(f"{model_class.__name__} with {distributed}: {exc}") from exc
-        finally:
-            dist.destroy_process_group()
-    return out
+    if (distributed_config.pp_size or 1) > 1:
+        raise ParallelismError("pipeline parallel loads are not planned (pp_size > 1)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        dc, _, mesh_manager = model_class.prepare_distribute_model(distributed_config)
+        config.distributed_config = dc
+        with ContextManagers(model_class.get_init_context(torch.bfloat16, False, False, False)):
+            model = model_class(config)
+        model = model_class.maybe_distribute_model(model, dc, mesh_manager)
+        mapping = get_model_conversion_mapping(model, None, None)
+        return {rank: load_spans(model, checkpoint, mapping, rank=rank) for rank in ranks}
+    except (ValueError, KeyError, RuntimeError, AssertionError) as exc:
+        raise ParallelismError(f"{model_class.__name__} with {distributed}: {exc}") from exc
+    finally:
+        dist.destroy_process_group()

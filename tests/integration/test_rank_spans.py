@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from spanwarm.client import TensorSpans, rank_spans  # noqa: E402
+from spanwarm.conversions import Concat, Conversion, Converted, OtherOp, Stack  # noqa: E402
 from spanwarm.safetensors_header import read_header  # noqa: E402
 from spanwarm.sample_checkpoint import SparseTensor, write_safetensors, write_sharded_checkpoint  # noqa: E402
 
@@ -140,3 +141,89 @@ def test_bad_unmatched_value(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(2)}, str(path))
     with pytest.raises(ValueError, match="unmatched"):
         rank_spans({}, path, unmatched="all")  # type: ignore[arg-type]
+
+
+def _experts_checkpoint(path: Path, experts: int = 8, inter: int = 6, hidden: int = 4) -> None:
+    tensors = {}
+    for e in range(experts):
+        for name in ("w1", "w3"):
+            tensors[f"layer.experts.{e}.{name}.weight"] = torch.full((inter, hidden), float(e))
+        tensors[f"layer.experts.{e}.w2.weight"] = torch.full((hidden, inter), float(e))
+    save_file(tensors, str(path))
+
+
+GATE_UP = Conversion(
+    ("experts.*.w1.weight", "experts.*.w3.weight"), "experts.gate_up_proj", (Stack(0), Concat(1))
+)
+DOWN = Conversion(("experts.*.w2.weight",), "experts.down_proj", (Stack(0),))
+
+
+def test_per_expert_pieces_are_read_only_by_the_rank_owning_the_expert(
+    tmp_path: Path,
+    rank1_of_4,  # type: ignore[no-untyped-def]
+) -> None:
+    path = tmp_path / "experts.safetensors"
+    _experts_checkpoint(path)
+    state = {
+        "layer.experts.gate_up_proj": distribute_tensor(
+            torch.empty(8, 12, 4, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None
+        ),
+        "layer.experts.down_proj": distribute_tensor(
+            torch.empty(8, 4, 6, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None
+        ),
+    }
+    spans = rank_spans(state, path, conversions=[GATE_UP, DOWN])
+    # Rank 1 of 4 owns experts 2 and 3: their w1, w3 and w2, whole, and nothing else.
+    assert sorted(s.tensor for s in spans) == sorted(
+        f"layer.experts.{e}.{w}.weight" for e in (2, 3) for w in ("w1", "w2", "w3")
+    )
+    for s in spans:
+        assert (s.offset, s.length * s.count) == whole(path, s.tensor)
+
+
+def test_inner_placements_slice_each_expert_piece(
+    tmp_path: Path,
+    rank1_of_4,  # type: ignore[no-untyped-def]
+) -> None:
+    path = tmp_path / "experts.safetensors"
+    _experts_checkpoint(path)
+    gate_up = distribute_tensor(
+        torch.empty(8, 12, 4, device="meta"), rank1_of_4, [Shard(2)], src_data_rank=None
+    )
+    spans = rank_spans(
+        {"layer.experts.gate_up_proj": gate_up}, path, conversions=[GATE_UP], unmatched="skip"
+    )
+    # Shard(2) of the packed tensor is column 1 of every [6, 4] w1/w3 piece: 6 rows of 4 bytes.
+    assert {s.tensor for s in spans} == {
+        f"layer.experts.{e}.{w}.weight" for e in range(8) for w in ("w1", "w3")
+    }
+    for s in spans:
+        offset, _ = whole(path, s.tensor)
+        assert (s.offset, s.length, s.stride, s.count) == (offset + 4, 4, 16, 6)
+
+
+def test_an_unmodelled_operation_reads_the_source_whole_with_a_debug_line(
+    tmp_path: Path,
+    rank1_of_4,
+    caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+) -> None:
+    path = tmp_path / "experts.safetensors"
+    _experts_checkpoint(path, experts=1)
+    transpose = Conversion(("experts.*.w2.weight",), "experts.down_t", (OtherOp("Transpose"),))
+    state = {
+        "layer.experts.down_t": distribute_tensor(
+            torch.empty(1, 6, 4, device="meta"), rank1_of_4, [Shard(1)], src_data_rank=None
+        )
+    }
+    with caplog.at_level(logging.DEBUG, logger="spanwarm.client"):
+        spans = rank_spans(state, path, conversions=[transpose], unmatched="skip")
+    assert [(s.tensor, s.length * s.count) for s in spans] == [("layer.experts.0.w2.weight", 96)]
+    assert any("Transpose" in r.getMessage() for r in caplog.records)
+
+
+def test_conversion_patterns_end_on_a_name_boundary() -> None:
+    assert GATE_UP.match("model.layer.experts.12.w3.weight") == Converted(
+        "model.layer.experts.gate_up_proj", "experts.*.w3.weight", (Stack(0), Concat(1))
+    )
+    assert GATE_UP.match("model.layer.experts.12.w3.weight_scale") is None
+    assert GATE_UP.match("model.layer.experts.x.w3.weight") is None

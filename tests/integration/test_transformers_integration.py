@@ -153,3 +153,21 @@ def test_requested_spans_cover_exactly_what_transformers_reads(loaded: Path, cas
             requested_bytes += int((requested[:, 1] - requested[:, 0]).sum())
         assert read_bytes > 0
         assert requested_bytes <= 1.05 * read_bytes, (rank, requested_bytes, read_bytes)
+
+
+@pytest.mark.torchrun
+def test_without_a_daemon_the_load_is_unchanged(loaded: Path) -> None:
+    last = CASE_NAMES[-1] if minilm_dir() is not None else CASE_NAMES[-2]
+    for rank in range(RANKS):
+        result = json.loads((loaded / f"no-daemon.rank{rank}.json").read_text())
+        with_daemon = json.loads((loaded / f"{last}.rank{rank}.json").read_text())
+        assert result["mismatched"] == []
+        assert result["compared"] == with_daemon["compared"] > 0
+        assert {p: sorted(r) for p, r in result["reads"].items()} == {
+            p: sorted(r) for p, r in with_daemon["reads"].items()
+        }
+        # Released, never reported warm, and said once.
+        assert result["groups"] > 0
+        assert result["ready"] == 0
+        assert len(result["warnings"]) == 1, result["warnings"]
+        assert "daemon" in result["warnings"][0]

@@ -6,12 +6,14 @@ transformers actually reads: ``safe_open`` is wrapped so every slice it hands ou
 the index transformers reads it with. Those indices become byte ranges here with numpy
 and the file's own header, independently of spanwarm's span code. Each case leaves
 ``<out>/<case>.rank<R>.json`` with the reads, what spanwarm requested, the daemon's
-answer and any weight that differs from the unsharded original.
+answer and any weight that differs from the unsharded original. The last case is then
+loaded again with no daemon listening (``no-daemon.rank<R>.json``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import sys
@@ -90,8 +92,19 @@ class RecordingFile:
         return getattr(self.inner, attr)
 
 
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) -> None:
     reads.clear()
+    warnings = Warnings()
+    logging.getLogger("spanwarm").addHandler(warnings)
     model_class = getattr(transformers, case["class"])
     model = model_class.from_pretrained(
         case["dir"],
@@ -119,7 +132,9 @@ def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) ->
         "ready": progress.ready,
         "failures": load.ticket.failures,
         "compared": sum(1 for k in model.state_dict() if k in reference),
+        "warnings": warnings.messages,
     }
+    logging.getLogger("spanwarm").removeHandler(warnings)
     (out / f"{case['name']}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
     del model
     dist.barrier()
@@ -133,6 +148,10 @@ def main() -> None:
     assert prefetch.active
     for case in cases:
         run_case(case, out, prefetch)
+    # Once more with no daemon listening: the load must go on unchanged.
+    spanwarm_tf.disable()
+    absent = spanwarm_tf.enable(Client(str(out / "absent.sock")), job="tf-test")
+    run_case({**cases[-1], "name": "no-daemon"}, out, absent)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""Installing and removing the transformers hooks; what happens when an internal is gone."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers import modeling_utils  # noqa: E402
+from transformers.modeling_utils import PreTrainedModel  # noqa: E402
+
+import spanwarm.integrations.transformers as spanwarm_tf  # noqa: E402
+from spanwarm.integrations.transformers import loading  # noqa: E402
+
+CONVERT = "convert_and_load_state_dict_in_model"
+
+
+def _hooks() -> tuple[object, object]:
+    return inspect.getattr_static(PreTrainedModel, "_load_pretrained_model"), getattr(
+        modeling_utils, CONVERT
+    )
+
+
+def test_prefetch_installs_its_hooks_and_puts_transformers_back() -> None:
+    before = _hooks()
+    with spanwarm_tf.prefetch() as session:
+        assert session.active
+        during = _hooks()
+        assert during[0] is not before[0]
+        assert during[1] is not before[1]
+        assert spanwarm_tf.enable() is session  # idempotent
+    assert _hooks() == before
+
+
+def test_a_missing_internal_disables_the_integration_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = _hooks()
+    monkeypatch.setattr(loading, "_warned", False)
+    monkeypatch.delattr(modeling_utils, CONVERT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = spanwarm_tf.enable()
+        second = spanwarm_tf.enable()
+    assert not first.active
+    assert not second.active
+    assert len(caught) == 1
+    assert CONVERT in str(caught[0].message)
+    assert "loads without prefetch" in str(caught[0].message)
+    assert inspect.getattr_static(PreTrainedModel, "_load_pretrained_model") is before[0]

@@ -95,6 +95,16 @@ def main() -> None:
     sections.append("\n![spans vs whole file](bench_spans.png)\n")
     e2e = ["--mounts", "local", "--layouts", "packed", "--reps", "1"] if quick else ["--reps", "3"]
     sections.append(run("bench_end_to_end.py", *e2e, markdown=True))
+    repeat = ["--repeat", "1" if quick else "3"]
+    sections += [
+        "## transformers: what each node reads\n",
+        "```console\npython bench/bench_transformers_plan.py " + " ".join(repeat) + "\n```\n",
+        "Sparse checkpoints with the key names and shapes transformers saves; per node of a "
+        "4-node x 8-rank job, the bytes its ranks read (`spanwarm plan MODEL_DIR`), the "
+        "expert part, and what the seed read (converted tensors whole on every node). The "
+        "last column is the `spanwarm plan` command's wall time.\n",
+        run("bench_transformers_plan.py", *repeat),
+    ]
     args.output.write_text("\n".join(sections) + "\n")
     print(f"wrote {args.output}")
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
@@ -160,7 +160,7 @@ DOWN = Conversion(("experts.*.w2.weight",), "experts.down_proj", (Stack(0),))
 
 def test_per_expert_pieces_are_read_only_by_the_rank_owning_the_expert(
     tmp_path: Path,
-    rank1_of_4,  # type: ignore[no-untyped-def]
+    rank1_of_4: DeviceMesh,
 ) -> None:
     path = tmp_path / "experts.safetensors"
     _experts_checkpoint(path)
@@ -183,7 +183,7 @@ def test_per_expert_pieces_are_read_only_by_the_rank_owning_the_expert(
 
 def test_inner_placements_slice_each_expert_piece(
     tmp_path: Path,
-    rank1_of_4,  # type: ignore[no-untyped-def]
+    rank1_of_4: DeviceMesh,
 ) -> None:
     path = tmp_path / "experts.safetensors"
     _experts_checkpoint(path)
@@ -203,9 +203,7 @@ def test_inner_placements_slice_each_expert_piece(
 
 
 def test_an_unmodelled_operation_reads_the_source_whole_with_a_debug_line(
-    tmp_path: Path,
-    rank1_of_4,
-    caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+    tmp_path: Path, rank1_of_4: DeviceMesh, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "experts.safetensors"
     _experts_checkpoint(path, experts=1)

@@ -83,3 +83,16 @@ def test_importing_the_client_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_the_transformers_integration_imports_transformers_only_when_enabled() -> None:
+    code = (
+        "import sys, spanwarm.integrations.transformers as t; "
+        "print(sorted(t.__all__), 'transformers' in sys.modules, 'torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == (
+        "['LoadRecord', 'Prefetch', 'disable', 'enable', 'prefetch'] False False"
+    )

@@ -68,17 +68,34 @@ def model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
     return tuple(out)
 
 
-def _coordinate(mesh: Any, rank: int | None) -> tuple[int, ...] | None:
-    """Where ``rank`` (this process, if None) sits in ``mesh``; None when outside it."""
-    if rank is None:
-        coordinate = mesh.get_coordinate()
-        return None if coordinate is None else tuple(coordinate)
-    where = (mesh.mesh == rank).nonzero()
-    return tuple(int(i) for i in where[0].tolist()) if len(where) else None
+class _Coordinates:
+    """Where ``rank`` (this process, if None) sits in each mesh; None when outside it.
+    Memoised per mesh object: a model has a handful of meshes and thousands of tensors."""
+
+    def __init__(self, rank: int | None) -> None:
+        self.rank = rank
+        self._known: dict[int, tuple[Any, tuple[int, ...] | None]] = {}
+
+    def __call__(self, mesh: Any) -> tuple[int, ...] | None:
+        known = self._known.get(id(mesh))
+        if known is not None and known[0] is mesh:
+            return known[1]
+        if self.rank is None:
+            found = mesh.get_coordinate()
+            coordinate = None if found is None else tuple(found)
+        else:
+            where = (mesh.mesh == self.rank).nonzero()
+            coordinate = tuple(int(i) for i in where[0].tolist()) if len(where) else None
+        self._known[id(mesh)] = (mesh, coordinate)
+        return coordinate
 
 
 def _needed_runs(
-    name: str, value: Any, stored_shape: tuple[int, ...], stored_dtype: str, rank: int | None
+    name: str,
+    value: Any,
+    stored_shape: tuple[int, ...],
+    stored_dtype: str,
+    coordinates: _Coordinates,
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
     """Global index runs this rank reads of ``name``: None = all of it, False = none."""
     from torch.distributed.tensor import DTensor
@@ -86,7 +103,7 @@ def _needed_runs(
     if not isinstance(value, DTensor):
         return Everything
     mesh = value.device_mesh
-    coordinate = _coordinate(mesh, rank)
+    coordinate = coordinates(mesh)
     if coordinate is None:
         return False
     shape = tuple(value.shape)
@@ -113,7 +130,7 @@ def _converted_runs(
     route: Converted,
     index: int,
     stored_shape: tuple[int, ...],
-    rank: int | None,
+    coordinates: _Coordinates,
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
     """What this rank reads of a checkpoint tensor a conversion turns into ``value``."""
     from torch.distributed.tensor import DTensor
@@ -121,7 +138,7 @@ def _converted_runs(
     if not isinstance(value, DTensor):
         return Everything
     mesh = value.device_mesh
-    coordinate = _coordinate(mesh, rank)
+    coordinate = coordinates(mesh)
     if coordinate is None:
         return False
     placements = model_placements(value.placements)
@@ -209,15 +226,16 @@ def rank_spans(
         )
         logger.warning("%d state-dict keys are not in the checkpoint: %s", len(missing), shown)
 
+    coordinates = _Coordinates(rank)
     out: list[TensorSpans] = []
     for key, value in state_dict.items():
         for name, converted, index in by_state_key.get(key, ()):
             pieces = ckpt.pieces[name]
             shape = global_shape(pieces)
             runs = (
-                _needed_runs(name, value, shape, pieces[0][1].dtype, rank)
+                _needed_runs(name, value, shape, pieces[0][1].dtype, coordinates)
                 if converted is None
-                else _converted_runs(name, value, converted, index, shape, rank)
+                else _converted_runs(name, value, converted, index, shape, coordinates)
             )
             if runs is not False:
                 out.extend(stored_tensor_spans(name, pieces, runs))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,3 +53,22 @@ def test_a_missing_internal_disables_the_integration_with_one_warning(
     assert CONVERT in str(caught[0].message)
     assert "loads without prefetch" in str(caught[0].message)
     assert inspect.getattr_static(PreTrainedModel, "_load_pretrained_model") is before[0]
+
+
+def test_disable_mmap_loads_request_whole_files_in_read_order(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch = pytest.importorskip("torch")
+    first, second = tmp_path / "b.safetensors", tmp_path / "a.safetensors"
+    save_file({"z": torch.zeros(64), "y": torch.ones(3, 5)}, str(first))
+    save_file({"x": torch.zeros(7)}, str(second))
+    spans = loading._load_spans(None, [str(first), str(second)], SimpleNamespace(disable_mmap=True))
+    assert [(Path(s.path).name, s.tensor) for s in spans] == [
+        ("b.safetensors", "y"),
+        ("b.safetensors", "z"),
+        ("a.safetensors", "x"),
+    ]
+    for path in (first, second):
+        mine = [s for s in spans if s.path == str(path)]
+        data_start = mine[0].offset
+        assert sum(s.length * s.count for s in mine) == path.stat().st_size - data_start

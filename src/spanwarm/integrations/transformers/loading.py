@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spanwarm.client.client import Client, Ticket
-from spanwarm.conversions import natural_key
 from spanwarm.integrations.transformers.routing import REQUIRED, load_spans
 from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.tensor_layout import TensorSpans, stored_tensor_spans
@@ -49,7 +48,8 @@ class LoadRecord:
     ticket: Ticket
     wait_timeout: float | None
     whole_files: bool = False
-    """``disable_mmap``: transformers reads every file whole before converting anything."""
+    """``disable_mmap``: transformers reads every file whole, not through slices; the
+    daemon's reads then run ahead of it, file by file, with nothing to wait on."""
     waited_s: float = 0.0
     """Time the loader's reads spent waiting for readiness, summed over its threads."""
     timed_out: bool = False
@@ -60,19 +60,19 @@ class LoadRecord:
     def requested_bytes(self) -> int:
         return sum(s.length * s.count for s in self.spans)
 
-    def before_read(self, name: str | None) -> None:
-        """Wait until ``name`` (everything, if None) is warm."""
+    def before_read(self, name: str) -> None:
+        """Wait until ``name`` is warm."""
         if self.timed_out:
             return
         start = time.monotonic()
-        ready = self.ticket.wait(None if name is None else [name], timeout=self.wait_timeout)
+        ready = self.ticket.wait([name], timeout=self.wait_timeout)
         with self._lock:
             self.waited_s += time.monotonic() - start
             if not ready and not self.timed_out:
                 self.timed_out = True
                 logger.warning(
                     "spanwarm: %s not warm after %ss; reading the rest of this load unwaited",
-                    name or "checkpoint",
+                    name,
                     self.wait_timeout,
                 )
 
@@ -145,9 +145,13 @@ class Prefetch:
 
 def _load_spans(model: Any, files: Sequence[str], load_config: Any) -> list[TensorSpans]:
     checkpoint = open_checkpoint(files)
-    if getattr(load_config, "disable_mmap", False):  # transformers reads whole files then
-        names = sorted(checkpoint.pieces, key=natural_key)
-        return [s for n in names for s in stored_tensor_spans(n, checkpoint.pieces[n], None)]
+    if getattr(load_config, "disable_mmap", False):  # whole files, in the order it reads them
+        return [
+            s
+            for header in checkpoint.headers
+            for t in sorted(header.tensors, key=lambda t: t.begin)
+            for s in stored_tensor_spans(t.name, [(header, t)], None)
+        ]
     return load_spans(model, checkpoint, getattr(load_config, "weight_mapping", None))
 
 
@@ -200,8 +204,6 @@ def _install(prefetch: Prefetch) -> None:
             return load(model, state_dict, checkpoint_files, load_config, *a, **kw)
         _state.record = record
         try:
-            if record.whole_files:
-                record.before_read(None)
             return load(model, state_dict, checkpoint_files, load_config, *a, **kw)
         finally:
             _state.record = None

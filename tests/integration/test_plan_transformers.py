@@ -88,7 +88,9 @@ def test_plan_command_on_a_model_directory(per_expert: Path) -> None:
     ("args", "message"),
     [
         (["--fsdp", "4", "--ep", "3", "--local-world", "4"], "`ep_size` must divide"),
-        (["--fsdp", "4", "--local-world", "3"], "node 0 does not exist"),
+        (["--fsdp", "4", "--local-world", "3"], "--local-world 3 does not divide the 4 ranks"),
+        (["--fsdp", "4", "--local-world", "2", "--node", "2"], "--node 2 is outside 0..1"),
+        (["--tp", "0", "--local-world", "1"], "must be >= 1"),
         (["--fsdp", "4", "--world", "8", "--local-world", "4"], "--world 8 differs"),
         (["--tp", "2", "--local-world", "2", "--place", "x=Shard(0)"], "do not apply"),
     ],

@@ -114,17 +114,19 @@ def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> Node
         raise ValueError("--place and --mesh do not apply to --tp/--fsdp/--ep/--dp-replicate")
     if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
         raise ValueError(f"{args.checkpoint} has no config.json: not a transformers model")
-    sizes = {key: getattr(args, flag) for flag, key in _SIZES.items() if getattr(args, flag)}
+    sizes = {
+        key: getattr(args, flag) for flag, key in _SIZES.items() if getattr(args, flag) is not None
+    }
     if any(n < 1 for n in sizes.values()):
         raise ValueError("--tp, --fsdp, --ep and --dp-replicate must be >= 1")
     world = sizes.get("tp_size", 1) * sizes.get("fsdp_size", 1)
     world *= sizes.get("dp_replicate_size", 1)
     if args.world is not None and args.world != world:
         raise ValueError(f"--world {args.world} differs from the {world} ranks the sizes make")
-    if world % args.local_world or not 0 <= args.node < world // args.local_world:
-        raise ValueError(
-            f"{world} ranks, {args.local_world} per node: node {args.node} does not exist"
-        )
+    if args.local_world < 1 or world % args.local_world:
+        raise ValueError(f"--local-world {args.local_world} does not divide the {world} ranks")
+    if not 0 <= args.node < world // args.local_world:
+        raise ValueError(f"--node {args.node} is outside 0..{world // args.local_world - 1}")
     ranks = range(args.node * args.local_world, (args.node + 1) * args.local_world)
     from spanwarm.integrations.transformers.whatif import rank_load_spans
 

@@ -1,0 +1,227 @@
+"""transformers' own ``from_pretrained`` of a per-expert MoE checkpoint, node 0 of a job.
+
+    .venv/bin/python bench/bench_transformers_load.py [--mounts local,cross-region] [--reps 3]
+
+A Qwen3-MoE model (6 layers, 32 experts, hidden 1024: 0.8 GB of random bf16 bytes,
+written once under --data) saved the way ``save_pretrained`` saves it, one tensor per
+expert. The job is 8 nodes x 2 ranks with ``DistributedConfig(fsdp_size=16, ep_size=4)``;
+node 0's two ranks run here as processes, each a real ``from_pretrained`` with torch's
+fake process group standing in for the other 14 ranks. Arms, on a freshly evicted page
+cache, interleaved per repetition:
+
+- (a) ``none``: transformers alone;
+- (b) ``whole``: the seed's base PR, ``files[local_rank::local_world]`` read whole first;
+- (c) ``spanwarm``: ``spanwarm.integrations.transformers`` enabled, a daemon on the node.
+
+Reported per arm: wall time from both ranks starting (after imports) until both have
+loaded, bytes read from storage (the emulated mount's counter; on ``local`` the block
+device's), and under (c) the time the loader spent waiting for readiness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, its parent is not
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.bench_end_to_end import CacheSampler, mounted, storage_bytes  # noqa: E402
+from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
+from spanwarm.residency import evict  # noqa: E402
+from spanwarm.sample_checkpoint import write_sharded_checkpoint  # noqa: E402
+from spanwarm.units import format_bytes  # noqa: E402
+
+WORLD, LOCAL_WORLD = 16, 2
+ARMS = ("none", "whole", "spanwarm")
+
+
+def build_model(directory: Path) -> list[Path]:
+    """Write (once) the per-expert checkpoint with random bytes; reuse it when it is there."""
+    marker = directory / "complete"
+    if marker.exists():
+        return sorted(directory.glob("*.safetensors"))
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.set_verbosity(logging.ERROR)
+    shutil.rmtree(directory, ignore_errors=True)
+    config = Qwen3MoeConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    state = revert_weight_conversion(model, model.state_dict())
+    rng = np.random.default_rng(0)
+    tensors: dict[str, Any] = {
+        name: (
+            "BF16",
+            tuple(value.shape),
+            rng.integers(0, 256, value.numel() * 2, dtype=np.uint8).tobytes(),
+        )
+        for name, value in state.items()
+    }
+    paths = write_sharded_checkpoint(directory, tensors, shard_bytes=100 * 10**6)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(directory)
+    for path in paths:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    marker.touch()
+    return paths
+
+
+def run_arm(arm: str, model: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
+    for path in paths:
+        evict(path)
+    barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
+    before = storage_bytes(paths, fs)
+    try:
+        with CacheSampler(paths, socket if arm == "spanwarm" else None) as sampler:
+            ranks = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "tf_load_rank.py"),
+                        str(model),
+                        "--arm",
+                        arm,
+                        "--rank",
+                        str(r),
+                        "--local-rank",
+                        str(r),
+                        "--local-world",
+                        str(LOCAL_WORLD),
+                        "--world",
+                        str(WORLD),
+                        "--barrier",
+                        str(barrier),
+                        "--socket",
+                        socket,
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    cwd=ROOT,
+                )
+                for r in range(LOCAL_WORLD)
+            ]
+            outputs = [p.communicate()[0] for p in ranks]
+        if any(p.returncode for p in ranks):
+            raise RuntimeError(f"{arm}: a rank failed ({[p.returncode for p in ranks]})")
+        results = [json.loads(out.splitlines()[-1]) for out in outputs]
+    finally:
+        shutil.rmtree(barrier, ignore_errors=True)
+    start = min(r["start"] for r in results)
+    return {
+        "arm": arm,
+        "wall_s": max(r["start"] + r["total_s"] for r in results) - start,
+        "waited_s": [r["waited_s"] for r in results],
+        "requested_bytes": sum(r["requested_bytes"] for r in results),
+        "storage_bytes": storage_bytes(paths, fs) - before,
+        "peak_cache_bytes": sampler.peak,
+        "planned_bytes": sampler.planned,
+    }
+
+
+def summarize(label: str, runs: list[dict[str, Any]], total: int) -> list[str]:
+    lines = [
+        f"\n### {label}\n",
+        "| arm | wall (median, min-max) | read from storage | peak page cache "
+        "| loader waited, rank 0 / 1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
+    for arm, rs in by_arm.items():
+        walls = [r["wall_s"] for r in rs]
+        waited = " / ".join(
+            f"{statistics.median(r['waited_s'][i] for r in rs):.2f} s" for i in range(LOCAL_WORLD)
+        )
+        lines.append(
+            f"| {arm} | {statistics.median(walls):.2f} s ({min(walls):.2f}-{max(walls):.2f}) "
+            f"| {format_bytes(int(statistics.median(r['storage_bytes'] for r in rs)))} "
+            f"| {format_bytes(int(statistics.median(r['peak_cache_bytes'] for r in rs)))} "
+            f"| {waited if arm == 'spanwarm' else ''} |"
+        )
+    reps = len(by_arm["spanwarm"])
+    ratio = {
+        arm: statistics.median(
+            by_arm[arm][i]["wall_s"] / by_arm["spanwarm"][i]["wall_s"] for i in range(reps)
+        )
+        for arm in ("none", "whole")
+    }
+    planned = statistics.median(r["planned_bytes"] for r in by_arm["spanwarm"])
+    lines.append(
+        f"\nPaired ratios (same repetition), median: (a)/(c) = {ratio['none']:.2f}x, "
+        f"(b)/(c) = {ratio['whole']:.2f}x. The node plan held {format_bytes(int(planned))} "
+        f"of the {format_bytes(total)} checkpoint."
+    )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mounts", default="local,cross-region")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    command = "python bench/bench_transformers_load.py " + " ".join(sys.argv[1:])
+    lines = [
+        "\n## transformers from_pretrained, per-expert MoE, node 0 of 8 x 2\n",
+        f"```console\n{command}\n```",
+    ]
+    source = args.data / "tf-qwen3moe-per-expert"
+    paths = build_model(source)
+    total = sum(p.stat().st_size for p in paths)
+    print(f"{len(paths)} shards, {format_bytes(total)}", flush=True)
+    rng = random.Random(0)
+    for preset in args.mounts.split(","):
+        with (
+            mounted(source, preset) as (model, fs),
+            spawn_daemon("--log-level", "warning") as daemon,
+        ):
+            mounted_paths = sorted(model.glob("*.safetensors"))
+            runs = []
+            for rep in range(args.reps):
+                for arm in rng.sample(ARMS, len(ARMS)):
+                    run = run_arm(arm, model, mounted_paths, daemon.socket, fs)
+                    print(f"{preset} rep {rep} {arm}: {run['wall_s']:.2f} s", flush=True)
+                    runs.append(run)
+            lines += summarize(
+                f"{preset}: {format_bytes(total)} in {len(paths)} shards", runs, total
+            )
+    text = "\n".join(lines) + "\n"
+    if args.markdown:
+        args.markdown.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""One local rank of bench_transformers_load.py: a real ``from_pretrained`` of its shards.
+
+    python bench/tf_load_rank.py MODEL_DIR --arm none|whole|spanwarm --rank R \
+        --local-rank L --local-world LW --world W --barrier DIR [--socket S]
+
+torch's fake process group stands in for the other ranks of the job (their collectives
+are no-ops), so this process is exactly global rank R of a W-rank job as far as
+transformers' distributed loading and its reads are concerned. After imports it waits at
+a file barrier, then loads with ``DistributedConfig(fsdp_size=W, ep_size=4)``:
+
+- ``none``: transformers alone, cold;
+- ``whole``: the seed's base PR first reads ``files[local_rank::local_world]`` whole;
+- ``spanwarm``: with ``spanwarm.integrations.transformers`` enabled.
+
+Prints one JSON line: start (monotonic clock, comparable across processes), seconds to
+load, seconds the loader waited for readiness, bytes requested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import DistributedConfig
+
+import spanwarm.integrations.transformers as spanwarm_tf
+from spanwarm.client import Client
+
+EP = 4
+
+
+def read_whole(paths: list[Path]) -> None:
+    def read(path: Path) -> None:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 * 2**20):
+                pass
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(read, paths))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--arm", choices=("none", "whole", "spanwarm"), required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True)
+    parser.add_argument("--local-world", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--barrier", type=Path, required=True)
+    parser.add_argument("--socket")
+    args = parser.parse_args()
+    transformers.utils.logging.set_verbosity(logging.ERROR)
+    os.environ.update(LOCAL_RANK=str(args.local_rank), RANK=str(args.rank))
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    model_class = getattr(transformers, config.architectures[0])
+    session = (
+        spanwarm_tf.enable(Client(args.socket), job="bench") if args.arm == "spanwarm" else None
+    )
+
+    (args.barrier / f"ready{args.local_rank}").touch()
+    while len(list(args.barrier.glob("ready*"))) < args.local_world:
+        time.sleep(0.005)
+    start = time.monotonic()
+    if args.arm == "whole":
+        shards = sorted(args.model.glob("*.safetensors"))
+        read_whole(shards[args.local_rank :: args.local_world])
+    model_class.from_pretrained(
+        args.model,
+        distributed_config=DistributedConfig(fsdp_size=args.world, ep_size=EP),
+        dtype=torch.bfloat16,
+    )
+    total = time.monotonic() - start
+    load = session.loads[-1] if session is not None else None
+    print(
+        json.dumps(
+            {
+                "start": start,
+                "total_s": total,
+                "waited_s": load.waited_s if load else 0.0,
+                "requested_bytes": load.requested_bytes if load else 0,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

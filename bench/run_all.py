@@ -105,6 +105,8 @@ def main() -> None:
         "last column is the `spanwarm plan` command's wall time.\n",
         run("bench_transformers_plan.py", *repeat),
     ]
+    tf_load = ["--mounts", "local", "--reps", "1"] if quick else ["--reps", "3"]
+    sections.append(run("bench_transformers_load.py", *tf_load, markdown=True))
     args.output.write_text("\n".join(sections) + "\n")
     print(f"wrote {args.output}")
 

@@ -66,6 +66,8 @@ def test_plan_command_on_a_model_directory(per_expert: Path) -> None:
         "16",
         "--ep",
         "4",
+        "--nodes",
+        "4",
         "--local-world",
         "4",
         "--node",
@@ -91,7 +93,8 @@ def test_plan_command_on_a_model_directory(per_expert: Path) -> None:
         (["--fsdp", "4", "--local-world", "3"], "--local-world 3 does not divide the 4 ranks"),
         (["--fsdp", "4", "--local-world", "2", "--node", "2"], "--node 2 is outside 0..1"),
         (["--tp", "0", "--local-world", "1"], "must be >= 1"),
-        (["--fsdp", "4", "--world", "8", "--local-world", "4"], "--world 8 differs"),
+        (["--fsdp", "4", "--world", "8", "--local-world", "4"], "8 ranks in all, but the sizes"),
+        (["--fsdp", "4", "--nodes", "4", "--local-world", "2"], "8 ranks in all, but the sizes"),
         (["--tp", "2", "--local-world", "2", "--place", "x=Shard(0)"], "do not apply"),
     ],
 )

@@ -66,6 +66,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("checkpoint", help="directory (index.json or *.safetensors), or one file")
     parser.add_argument("--world", type=int, metavar="W", help="ranks in the job")
     parser.add_argument(
+        "--nodes", type=int, metavar="K", help="nodes in the job (W = K x L when --world is absent)"
+    )
+    parser.add_argument(
         "--local-world", type=int, required=True, metavar="L", help="ranks per node"
     )
     parser.add_argument("--node", type=int, default=0, metavar="N", help="node to plan (default 0)")
@@ -122,7 +125,7 @@ def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> Node
     world = sizes.get("tp_size", 1) * sizes.get("fsdp_size", 1)
     world *= sizes.get("dp_replicate_size", 1)
     if args.world is not None and args.world != world:
-        raise ValueError(f"--world {args.world} differs from the {world} ranks the sizes make")
+        raise ValueError(f"{args.world} ranks in all, but the sizes make {world}")
     if args.local_world < 1 or world % args.local_world:
         raise ValueError(f"--local-world {args.local_world} does not divide the {world} ranks")
     if not 0 <= args.node < world // args.local_world:
@@ -155,11 +158,21 @@ def _quiet_transformers() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.nodes is not None:
+            implied = args.nodes * args.local_world
+            if args.world is not None and args.world != implied:
+                raise ValueError(
+                    f"--world {args.world} is not --nodes {args.nodes} x --local-world "
+                    f"{args.local_world}"
+                )
+            args.world = implied
         checkpoint = open_checkpoint(args.checkpoint)
         if any(getattr(args, flag) is not None for flag in _SIZES):
             plan = _transformers_plan(args, checkpoint)
         elif args.world is None:
-            raise ValueError("--world is required (or --tp/--fsdp/--ep for a model directory)")
+            raise ValueError(
+                "--world or --nodes is required (or --tp/--fsdp/--ep for a model directory)"
+            )
         else:
             plan = plan_node(
                 checkpoint,

@@ -34,6 +34,19 @@ from tests.tiny_models import (
 
 WORKER = Path(__file__).with_name("transformers_rank.py")
 RANKS = 4
+# BERT has no tensor-parallel plan of its own: the TP case brings one, as a user would.
+BERT_TP_PLAN = {
+    "encoder.layer.*.attention.self.query": "colwise",
+    "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise",
+    "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise",
+    "encoder.layer.*.output.dense": "rowwise",
+}
+MINILM_CONFIGS: dict[str, dict[str, Any]] = {
+    "fsdp4": {"fsdp_size": 4},
+    "tp2_fsdp2": {"tp_size": 2, "fsdp_size": 2, "tp_plan": BERT_TP_PLAN},
+}
 
 
 def _cases(root: Path) -> list[dict[str, Any]]:
@@ -54,16 +67,17 @@ def _cases(root: Path) -> list[dict[str, Any]]:
                 )
     minilm = minilm_dir()
     if minilm is not None:
-        cases.append(
-            {
-                "name": "minilm-real-fsdp4",
-                "dir": str(minilm),
-                "reference": str(minilm / "model.safetensors"),
-                "class": "BertModel",
-                "dtype": "float32",
-                "distributed": {"fsdp_size": 4},
-            }
-        )
+        for config, distributed in MINILM_CONFIGS.items():
+            cases.append(
+                {
+                    "name": f"minilm-real-{config}",
+                    "dir": str(minilm),
+                    "reference": str(minilm / "model.safetensors"),
+                    "class": "BertModel",
+                    "dtype": "float32",
+                    "distributed": distributed,
+                }
+            )
     return cases
 
 
@@ -72,7 +86,7 @@ CASE_NAMES = [
     for m in MODELS
     for layout in (("per_expert", "packed") if m in ("mixtral", "qwen3_moe") else ("dense",))
     for c in (MOE_CONFIGS if layout != "dense" else DENSE_CONFIGS)
-] + ["minilm-real-fsdp4"]
+] + [f"minilm-real-{c}" for c in MINILM_CONFIGS]
 
 
 @pytest.fixture(scope="module")

@@ -129,13 +129,14 @@ class Prefetch:
             return None
         try:
             spans = _load_spans(model, checkpoint_files, load_config)
+            ticket = self.client.request(spans, job=self.job)
         except Exception as exc:  # never fail a load over a prefetch
             logger.warning("spanwarm: cannot plan this load (%s); loading without prefetch", exc)
             return None
         record = LoadRecord(
             [str(f) for f in checkpoint_files],
             spans,
-            self.client.request(spans, job=self.job),
+            ticket,
             self.wait_timeout,
             whole_files=bool(getattr(load_config, "disable_mmap", False)),
         )
@@ -185,7 +186,7 @@ def _missing_internals() -> list[str]:
     return missing
 
 
-def _install(prefetch: Prefetch) -> None:
+def _install() -> None:
     from transformers import modeling_utils
     from transformers.modeling_utils import PreTrainedModel
 
@@ -212,13 +213,16 @@ def _install(prefetch: Prefetch) -> None:
     def convert_and_load(*args: Any, **kwargs: Any) -> Any:
         record: LoadRecord | None = getattr(_state, "record", None)
         if record is not None and not record.whole_files:
-            bound = convert_signature.bind(*args, **kwargs)
-            requested = {s.tensor for s in record.spans}
-            bound.arguments["state_dict"] = {
-                name: _WaitingSlice(value, name, record) if name in requested else value
-                for name, value in bound.arguments["state_dict"].items()
-            }
-            args, kwargs = bound.args, bound.kwargs
+            try:
+                bound = convert_signature.bind(*args, **kwargs)
+                requested = {s.tensor for s in record.spans}
+                bound.arguments["state_dict"] = {
+                    name: _WaitingSlice(value, name, record) if name in requested else value
+                    for name, value in bound.arguments["state_dict"].items()
+                }
+                args, kwargs = bound.args, bound.kwargs
+            except Exception as exc:  # a changed signature: load unwaited, never fail
+                logger.warning("spanwarm: cannot wait per tensor (%s); loading unwaited", exc)
         return convert(*args, **kwargs)
 
     _originals["load"] = inspect.getattr_static(PreTrainedModel, "_load_pretrained_model")
@@ -249,7 +253,7 @@ def enable(
             _warned = True
         return Prefetch(client, job, wait_timeout, active=False)
     prefetch = Prefetch(client, job, wait_timeout, active=True)
-    _install(prefetch)
+    _install()
     _installed = prefetch
     return prefetch
 

@@ -62,7 +62,9 @@ def test_disable_mmap_loads_request_whole_files_in_read_order(tmp_path: Path) ->
     first, second = tmp_path / "b.safetensors", tmp_path / "a.safetensors"
     save_file({"z": torch.zeros(64), "y": torch.ones(3, 5)}, str(first))
     save_file({"x": torch.zeros(7)}, str(second))
-    spans = loading._load_spans(None, [str(first), str(second)], SimpleNamespace(disable_mmap=True))
+    files, config = [str(first), str(second)], SimpleNamespace(disable_mmap=True)
+    assert loading._reads_whole_files(files, config)
+    spans = loading._load_spans(None, files, config, whole_files=True)
     assert [(Path(s.path).name, s.tensor) for s in spans] == [
         ("b.safetensors", "y"),
         ("b.safetensors", "z"),

@@ -34,6 +34,7 @@ from spanwarm.client import Client
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 reads: dict[str, list[tuple[int, int]]] = {}
+read_order: list[str] = []  # tensors in the order of their first read
 
 
 def _header(path: str) -> tuple[int, dict[str, Any]]:
@@ -48,12 +49,14 @@ class RecordingSlice:
     def __init__(self, inner: Any, path: str, name: str) -> None:
         data_start, header = _header(path)
         entry = header[name]
-        self.inner, self.path = inner, path
+        self.inner, self.path, self.name = inner, path, name
         self.shape = entry["shape"]
         self.itemsize = _ITEMSIZE[entry["dtype"]]
         self.base = data_start + entry["data_offsets"][0]
 
     def __getitem__(self, index: Any) -> Any:
+        if self.name not in read_order:
+            read_order.append(self.name)
         index = index if isinstance(index, tuple) else (index,)
         if index == (Ellipsis,):
             index = ()
@@ -103,6 +106,9 @@ class Warnings(logging.Handler):
 
 def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) -> None:
     reads.clear()
+    read_order.clear()
+    saved_env = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
     warnings = Warnings()
     logging.getLogger("spanwarm").addHandler(warnings)
     model_class = getattr(transformers, case["class"])
@@ -126,6 +132,8 @@ def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) ->
         )
     result = {
         "reads": reads,
+        "read_order": read_order,
+        "requested_order": list(dict.fromkeys(s.tensor for s in load.spans)),
         "requested": requested,
         "mismatched": mismatched,
         "groups": progress.groups,
@@ -135,6 +143,11 @@ def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) ->
         "warnings": warnings.messages,
     }
     logging.getLogger("spanwarm").removeHandler(warnings)
+    for key, value in saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     (out / f"{case['name']}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
     del model
     dist.barrier()

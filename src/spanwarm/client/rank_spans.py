@@ -70,7 +70,13 @@ def model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
 
 class _Coordinates:
     """Where ``rank`` (this process, if None) sits in each mesh; None when outside it.
-    Memoised per mesh object: a model has a handful of meshes and thousands of tensors."""
+
+    For another rank, a parameter's mesh may be a slice of the root mesh that does not
+    contain it (an FSDP-only sub-mesh built on rank 0 holds ranks 0 and 2, not 1): the
+    coordinate is then found in the sibling slice along the same dims, from the mesh's
+    layout over the whole root. Memoised per mesh object: a model has a handful of meshes
+    and thousands of tensors.
+    """
 
     def __init__(self, rank: int | None) -> None:
         self.rank = rank
@@ -80,12 +86,15 @@ class _Coordinates:
         known = self._known.get(id(mesh))
         if known is not None and known[0] is mesh:
             return known[1]
+        coordinate: tuple[int, ...] | None
         if self.rank is None:
             found = mesh.get_coordinate()
             coordinate = None if found is None else tuple(found)
         else:
-            where = (mesh.mesh == self.rank).nonzero()
-            coordinate = tuple(int(i) for i in where[0].tolist()) if len(where) else None
+            # (slices, *mesh.shape): every slice of the root like this one (torch >= 2.9).
+            every_slice = mesh._layout.remap_to_tensor(mesh._rank_map)
+            where = (every_slice == self.rank).nonzero()
+            coordinate = tuple(int(i) for i in where[0, 1:].tolist()) if len(where) else None
         self._known[id(mesh)] = (mesh, coordinate)
         return coordinate
 

@@ -116,13 +116,16 @@ def _overlap(xs: list[Range], ys: list[Range]) -> int:
 
 
 def _requeue(request: Request, key: CellKey) -> None:
-    """Put ``key`` back at the front of the request's queue, but behind its first tensor's
-    cells while that tensor is not ready: until then ``Node._next`` dispatches only those
-    and stops at the first other cell, so one in front would stall the request."""
+    """Put ``key`` back at the front of the request's queue, but behind the cells of the
+    first tensor not ready yet: while the rank starts (first tensors first) or is over the
+    budget, ``Node._next`` dispatches only those and stops at the first other cell, so
+    one in front would hold the rank's next tensor back."""
     queue = request.queue
+    pending = np.flatnonzero(request.state == PENDING)
     at = 0
-    if request.state[0] == PENDING and not request.serves_group(key, 0):
-        while at < len(queue) and request.serves_group(queue[at], 0):
+    if pending.size and not request.serves_group(key, int(pending[0])):
+        first = int(pending[0])
+        while at < len(queue) and request.serves_group(queue[at], first):
             at += 1
     queue.insert(at, key)
 

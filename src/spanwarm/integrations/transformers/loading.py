@@ -48,8 +48,8 @@ class LoadRecord:
     ticket: Ticket
     wait_timeout: float | None
     whole_files: bool = False
-    """``disable_mmap``: transformers reads every file whole, not through slices; the
-    daemon's reads then run ahead of it, file by file, with nothing to wait on."""
+    """``disable_mmap`` or an hf-mount: transformers reads every file whole, not through
+    slices; the daemon's reads then run ahead of it, file by file, with nothing to wait on."""
     waited_s: float = 0.0
     """Time the loader's reads spent waiting for readiness, summed over its threads."""
     timed_out: bool = False
@@ -61,11 +61,15 @@ class LoadRecord:
         return sum(s.length * s.count for s in self.spans)
 
     def before_read(self, name: str) -> None:
-        """Wait until ``name`` is warm."""
+        """Wait until ``name`` is warm (the load goes on unwaited after a timeout)."""
         if self.timed_out:
             return
         start = time.monotonic()
-        ready = self.ticket.wait([name], timeout=self.wait_timeout)
+        try:
+            ready = self.ticket.wait([name], timeout=self.wait_timeout)
+        except Exception as exc:  # never fail a read over a prefetch
+            ready = False
+            logger.warning("spanwarm: waiting for %s failed: %s", name, exc)
         with self._lock:
             self.waited_s += time.monotonic() - start
             if not ready and not self.timed_out:
@@ -77,11 +81,16 @@ class LoadRecord:
                 )
 
     def after_read(self, name: str) -> None:
+        """Report ``name`` read once (only the first read of a tensor counts)."""
         with self._lock:
             first = name not in self._read
             self._read.add(name)
-        if first:
-            self.ticket.consumed([name])
+        if first and not self.timed_out:
+            try:
+                self.ticket.consumed([name])
+            except Exception as exc:  # e.g. a closed client: stop reporting, keep loading
+                self.timed_out = True
+                logger.warning("spanwarm: cannot report %s read: %s", name, exc)
 
 
 class _WaitingSlice:
@@ -128,36 +137,63 @@ class Prefetch:
         if getattr(model.config, "distributed_config", None) is None:
             return None
         try:
-            spans = _load_spans(model, checkpoint_files, load_config)
+            whole_files = _reads_whole_files(checkpoint_files, load_config)
+            spans = _load_spans(model, checkpoint_files, load_config, whole_files)
             ticket = self.client.request(spans, job=self.job)
         except Exception as exc:  # never fail a load over a prefetch
             logger.warning("spanwarm: cannot plan this load (%s); loading without prefetch", exc)
             return None
         record = LoadRecord(
-            [str(f) for f in checkpoint_files],
-            spans,
-            ticket,
-            self.wait_timeout,
-            whole_files=bool(getattr(load_config, "disable_mmap", False)),
+            [str(f) for f in checkpoint_files], spans, ticket, self.wait_timeout, whole_files
         )
         self.loads.append(record)
         return record
 
 
-def _load_spans(model: Any, files: Sequence[str], load_config: Any) -> list[TensorSpans]:
+def _reads_whole_files(files: Sequence[str], load_config: Any) -> bool:
+    """transformers reads whole files, not slices, with ``disable_mmap`` or on an hf-mount."""
+    from transformers import modeling_utils
+
+    on_hf_mount = getattr(modeling_utils, "_is_on_hf_mount", lambda path: False)
+    return bool(getattr(load_config, "disable_mmap", False)) or any(map(on_hf_mount, files))
+
+
+def _reads_by_target(load_config: Any) -> bool:
+    """transformers' conditions for loading without its thread pool (then it reads target
+    by target instead of in checkpoint-key order)."""
+    from transformers.utils.import_utils import is_env_variable_true
+
+    device_map = getattr(load_config, "device_map", None) or {"": "cpu"}
+    quantizer = getattr(load_config, "hf_quantizer", None)
+    return (
+        is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
+        or "disk" in device_map.values()
+        or (quantizer is not None and not quantizer.pre_quantized)
+    )
+
+
+def _load_spans(
+    model: Any, files: Sequence[str], load_config: Any, whole_files: bool
+) -> list[TensorSpans]:
     checkpoint = open_checkpoint(files)
-    if getattr(load_config, "disable_mmap", False):  # whole files, in the order it reads them
+    if whole_files:  # whole files, in the order transformers reads them
         return [
             s
             for header in checkpoint.headers
             for t in sorted(header.tensors, key=lambda t: t.begin)
             for s in stored_tensor_spans(t.name, [(header, t)], None)
         ]
-    return load_spans(model, checkpoint, getattr(load_config, "weight_mapping", None))
+    return load_spans(
+        model,
+        checkpoint,
+        getattr(load_config, "weight_mapping", None),
+        by_target=_reads_by_target(load_config),
+    )
 
 
 _state = threading.local()
 _installed: Prefetch | None = None
+_install_lock = threading.Lock()
 _originals: dict[str, Any] = {}
 _warned = False
 
@@ -217,7 +253,9 @@ def _install() -> None:
                 bound = convert_signature.bind(*args, **kwargs)
                 requested = {s.tensor for s in record.spans}
                 bound.arguments["state_dict"] = {
-                    name: _WaitingSlice(value, name, record) if name in requested else value
+                    name: _WaitingSlice(value, name, record)
+                    if name in requested and hasattr(value, "get_shape")  # lazy slices only
+                    else value
                     for name, value in bound.arguments["state_dict"].items()
                 }
                 args, kwargs = bound.args, bound.kwargs
@@ -235,8 +273,14 @@ def enable(
     client: Client | None = None, *, job: str | None = None, wait_timeout: float | None = 300.0
 ) -> Prefetch:
     """Make every distributed ``from_pretrained`` in this process prefetch through the node's
-    daemon. Idempotent; returns the installed :class:`Prefetch` (inactive, after one warning,
-    when transformers lacks an internal this relies on)."""
+    daemon; returns the installed :class:`Prefetch` (inactive, after one warning, when
+    transformers lacks an internal this relies on). When already enabled, the installed
+    one is returned unchanged: :func:`disable` first to change its client or settings."""
+    with _install_lock:
+        return _enable(client, job, wait_timeout)
+
+
+def _enable(client: Client | None, job: str | None, wait_timeout: float | None) -> Prefetch:
     global _installed, _warned
     if _installed is not None:
         return _installed
@@ -260,6 +304,11 @@ def enable(
 
 def disable() -> None:
     """Undo :func:`enable`: transformers' own functions are put back."""
+    with _install_lock:
+        _disable()
+
+
+def _disable() -> None:
     global _installed
     if _installed is None:
         return

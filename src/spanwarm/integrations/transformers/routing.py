@@ -9,6 +9,7 @@ the conversion operations are translated, into :mod:`spanwarm.conversions` ops.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -66,32 +67,26 @@ def checkpoint_routes(
         rename_source_key,
     )
 
-    mapping = list(weight_mapping or ())
+    # Renaming marks transforms as used (which decides what save_pretrained writes back)
+    # and some keep state between keys: route with a copy, leaving the load's own alone.
+    mapping = copy.deepcopy(list(weight_mapping or ()))
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     ops = {id(c): spanwarm_ops(getattr(c, "operations", ())) for c in converters}
-    # rename_source_key marks a transform as used, which decides what save_pretrained
-    # writes back; routing ahead of transformers must leave that as it was.
-    used = [getattr(t, "_was_used", None) for t in mapping]
     routes: dict[str, str | Converted | None] = {}
-    try:
-        for key in keys:
-            target, pattern = rename_source_key(
-                key, renamings, converters, base_model_prefix, meta_state_dict
-            )
-            if target not in meta_state_dict and key in meta_state_dict:
-                target, pattern = rename_source_key(key, [], [], base_model_prefix, meta_state_dict)
-            if target not in meta_state_dict:
-                routes[key] = None
-            elif pattern is None:
-                routes[key] = target
-            else:
-                routes[key] = Converted(target, pattern, ops[id(by_pattern[pattern])])
-    finally:
-        for transform, flag in zip(mapping, used, strict=True):
-            if flag is not None:
-                object.__setattr__(transform, "_was_used", flag)
+    for key in keys:
+        target, pattern = rename_source_key(
+            key, renamings, converters, base_model_prefix, meta_state_dict
+        )
+        if target not in meta_state_dict and key in meta_state_dict:
+            target, pattern = rename_source_key(key, [], [], base_model_prefix, meta_state_dict)
+        if target not in meta_state_dict:
+            routes[key] = None
+        elif pattern is None:
+            routes[key] = target
+        else:
+            routes[key] = Converted(target, pattern, ops[id(by_pattern[pattern])])
     return routes.get
 
 
@@ -101,17 +96,32 @@ def load_spans(
     weight_mapping: Sequence[Any] | None,
     *,
     rank: int | None = None,
+    by_target: bool = False,
 ) -> list[TensorSpans]:
     """What this rank (or global ``rank``) reads of ``checkpoint`` when transformers loads it
-    into ``model`` (a distributed meta model), in the order transformers reads it."""
+    into ``model`` (a distributed meta model), in the order transformers reads it.
+
+    With its thread pool (the default) transformers reads checkpoint keys in
+    ``dot_natural_key`` order; without it (``by_target``: ``HF_DEACTIVATE_ASYNC_LOAD``,
+    disk offload, quantizing on load) it reads target by target, in the order each target
+    was first met, one source pattern's pieces after another.
+    """
     names = sorted(checkpoint.pieces, key=natural_key)
     meta_state_dict = model.state_dict()
     route = checkpoint_routes(names, weight_mapping, meta_state_dict, model.base_model_prefix)
-    targets = set()
-    for name in names:
+    order: dict[str, tuple[int, ...]] = {}
+    targets_met: dict[str, int] = {}
+    patterns_met: dict[tuple[str, str], int] = {}
+    for i, name in enumerate(names):
         to = route(name)
-        targets.add(to.target if isinstance(to, Converted) else to)
+        if to is None:
+            continue
+        target = to.target if isinstance(to, Converted) else to
+        pattern = to.source if isinstance(to, Converted) else name
+        t = targets_met.setdefault(target, len(targets_met))
+        p = patterns_met.setdefault((target, pattern), len(patterns_met))
+        order[name] = (t, p, i) if by_target else (i,)
+    targets = {to.target if isinstance(to, Converted) else to for to in map(route, order)}
     state = {k: v for k, v in meta_state_dict.items() if k in targets}
     spans = rank_spans(state, checkpoint, key_map=route, unmatched="skip", rank=rank)
-    order = {name: i for i, name in enumerate(names)}
     return sorted(spans, key=lambda s: order[s.tensor])

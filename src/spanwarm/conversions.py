@@ -162,7 +162,14 @@ def read_runs(
     if index is None or len(source_shape) != ndim - 1:
         if any(dim >= len(source_shape) for _, dim in dims):
             return None
-        return local_index_runs(source_shape, mesh_shape, coordinate, placements)
+        # Negative dims count from the target's last dim, as transformers counts them.
+        on_source: list[Placement] = list(placements)
+        for mesh_dim, dim in dims:
+            p = placements[mesh_dim]
+            on_source[mesh_dim] = (
+                StridedShard(dim, p.split_factor) if isinstance(p, StridedShard) else Shard(dim)
+            )
+        return local_index_runs(source_shape, mesh_shape, coordinate, on_source)
 
     # One piece of a stack along target dim 0.
     if any(dim == 0 for _, dim in dims):

@@ -87,3 +87,19 @@ def test_a_source_of_the_targets_rank_gets_the_targets_placements() -> None:
 def test_placements_that_do_not_fit_the_source_read_it_whole() -> None:
     # Shard(2) of a 3-d target cannot apply to a 2-d source that is not a stacked piece.
     assert read_runs((6, 4), (8, 12, 4), (2,), (0,), (Shard(2),), None) is None
+
+
+def test_negative_dims_count_from_the_targets_last_dim() -> None:
+    # Shard(-1) of a 3-d target is its dim 2; on a 3-d fused source that is dim 2 too,
+    # and on a 4-d source (dense path, more dims) it stays dim 2, as transformers counts.
+    assert read_runs((2, 3, 8), (2, 3, 4), (2,), (1,), (Shard(-1),), None) == (
+        ((0, 2),),
+        ((0, 3),),
+        ((4, 8),),
+    )
+    assert read_runs((2, 3, 8, 5), (2, 3, 4), (2,), (1,), (Shard(-1),), None) == (
+        ((0, 2),),
+        ((0, 3),),
+        ((4, 8),),
+        ((0, 5),),
+    )

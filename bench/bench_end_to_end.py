@@ -174,7 +174,23 @@ def storage_bytes(paths: list[Path], fs: Any) -> int:
     return int(fs.stats()["bytes"]) if fs is not None else device_bytes_read(paths[0])
 
 
-def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
+def run_local_ranks(
+    script: str,
+    arm: str,
+    checkpoint: Path,
+    paths: list[Path],
+    socket: str,
+    fs: Any,
+    *,
+    world: int,
+    local_world: int,
+    extra: tuple[str, ...] = (),
+    stderr: int | None = None,
+) -> dict[str, Any]:
+    """One arm on node 0: evict, run ``script`` as its ``local_world`` ranks started together
+    at a file barrier, and measure. Each rank prints a JSON line ending with ``start`` and
+    ``total_s``; those lines come back as ``results``, with the wall time from the first
+    start to the last finish, bytes read from storage, peak page cache and node plan."""
     for path in paths:
         evict(path)
     barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
@@ -185,48 +201,53 @@ def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any)
                 subprocess.Popen(
                     [
                         sys.executable,
-                        str(HERE / "e2e_rank.py"),
+                        str(HERE / script),
                         str(checkpoint),
-                        "--arm",
-                        arm,
-                        "--rank",
-                        str(r),
-                        "--local-rank",
-                        str(r),
-                        "--local-world",
-                        str(LOCAL_WORLD),
-                        "--world",
-                        str(WORLD),
-                        "--experts",
-                        str(EXPERTS),
-                        "--barrier",
-                        str(barrier),
-                        "--socket",
-                        socket,
+                        *("--arm", arm, "--rank", str(r), "--local-rank", str(r)),
+                        *("--local-world", str(local_world), "--world", str(world)),
+                        *("--barrier", str(barrier), "--socket", socket, *extra),
                     ],
                     stdout=subprocess.PIPE,
+                    stderr=stderr,
                     cwd=ROOT,
                 )
-                for r in range(LOCAL_WORLD)
+                for r in range(local_world)
             ]
             outputs = [p.communicate()[0] for p in ranks]
         if any(p.returncode for p in ranks):
             raise RuntimeError(f"{arm}: a rank failed ({[p.returncode for p in ranks]})")
-        results = [json.loads(out) for out in outputs]
+        results = [json.loads(out.splitlines()[-1]) for out in outputs]
     finally:
         shutil.rmtree(barrier, ignore_errors=True)
     start = min(r["start"] for r in results)
-    wall = max(r["start"] + r["total_s"] for r in results) - start
-    storage = storage_bytes(paths, fs) - before
     return {
         "arm": arm,
-        "wall_s": wall,
+        "results": results,
+        "wall_s": max(r["start"] + r["total_s"] for r in results) - start,
+        "storage_bytes": storage_bytes(paths, fs) - before,
+        "peak_cache_bytes": sampler.peak,
+        "planned_bytes": sampler.planned,
+    }
+
+
+def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
+    run = run_local_ranks(
+        "e2e_rank.py",
+        arm,
+        checkpoint,
+        paths,
+        socket,
+        fs,
+        world=WORLD,
+        local_world=LOCAL_WORLD,
+        extra=("--experts", str(EXPERTS)),
+    )
+    results = run.pop("results")
+    return {
+        **run,
         "first_s": [r["first_s"] for r in results],
         "request_s": [r["request_s"] for r in results],
-        "storage_bytes": storage,
-        "peak_cache_bytes": sampler.peak,
         "loaded_bytes": sum(r["bytes"] for r in results),
-        "planned_bytes": sampler.planned,
     }
 
 

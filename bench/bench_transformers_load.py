@@ -21,7 +21,6 @@ device's), and under (c) the time the loader spent waiting for readiness.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
@@ -29,7 +28,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +39,8 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, its par
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.bench_end_to_end import CacheSampler, mounted, storage_bytes  # noqa: E402
+from bench.bench_end_to_end import mounted, run_local_ranks  # noqa: E402
 from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
-from spanwarm.residency import evict  # noqa: E402
 from spanwarm.sample_checkpoint import write_sharded_checkpoint  # noqa: E402
 from spanwarm.units import format_bytes  # noqa: E402
 
@@ -97,54 +94,22 @@ def build_model(directory: Path) -> list[Path]:
 
 
 def run_arm(arm: str, model: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
-    for path in paths:
-        evict(path)
-    barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
-    before = storage_bytes(paths, fs)
-    try:
-        with CacheSampler(paths, socket if arm == "spanwarm" else None) as sampler:
-            ranks = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(HERE / "tf_load_rank.py"),
-                        str(model),
-                        "--arm",
-                        arm,
-                        "--rank",
-                        str(r),
-                        "--local-rank",
-                        str(r),
-                        "--local-world",
-                        str(LOCAL_WORLD),
-                        "--world",
-                        str(WORLD),
-                        "--barrier",
-                        str(barrier),
-                        "--socket",
-                        socket,
-                    ],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    cwd=ROOT,
-                )
-                for r in range(LOCAL_WORLD)
-            ]
-            outputs = [p.communicate()[0] for p in ranks]
-        if any(p.returncode for p in ranks):
-            raise RuntimeError(f"{arm}: a rank failed ({[p.returncode for p in ranks]})")
-        results = [json.loads(out.splitlines()[-1]) for out in outputs]
-    finally:
-        shutil.rmtree(barrier, ignore_errors=True)
-    start = min(r["start"] for r in results)
+    run = run_local_ranks(
+        "tf_load_rank.py",
+        arm,
+        model,
+        paths,
+        socket,
+        fs,
+        world=WORLD,
+        local_world=LOCAL_WORLD,
+        stderr=subprocess.DEVNULL,  # transformers' progress bars
+    )
+    results = run.pop("results")
     return {
-        "arm": arm,
-        "wall_s": max(r["start"] + r["total_s"] for r in results) - start,
+        **run,
         "waited_s": [r["waited_s"] for r in results],
         "requested_bytes": sum(r["requested_bytes"] for r in results),
-        "storage_bytes": storage_bytes(paths, fs) - before,
-        "peak_cache_bytes": sampler.peak,
-        "planned_bytes": sampler.planned,
     }
 
 

@@ -22,11 +22,13 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Run as a script, bench/ is on the path but its parent (for bench.e2e_rank) is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -35,19 +37,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import DistributedConfig
 
 import spanwarm.integrations.transformers as spanwarm_tf
+from bench.e2e_rank import read_whole, start_together
 from spanwarm.client import Client
 
 EP = 4
-
-
-def read_whole(paths: list[Path]) -> None:
-    def read(path: Path) -> None:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(16 * 2**20):
-                pass
-
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(read, paths))
 
 
 def main() -> None:
@@ -70,10 +63,7 @@ def main() -> None:
         spanwarm_tf.enable(Client(args.socket), job="bench") if args.arm == "spanwarm" else None
     )
 
-    (args.barrier / f"ready{args.local_rank}").touch()
-    while len(list(args.barrier.glob("ready*"))) < args.local_world:
-        time.sleep(0.005)
-    start = time.monotonic()
+    start = start_together(args.barrier, args.local_rank, args.local_world)
     if args.arm == "whole":
         shards = sorted(args.model.glob("*.safetensors"))
         read_whole(shards[args.local_rank :: args.local_world])

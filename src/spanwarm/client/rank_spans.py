@@ -99,49 +99,17 @@ class _Coordinates:
         return coordinate
 
 
-def _needed_runs(
+def _read_runs(
     name: str,
     value: Any,
     stored_shape: tuple[int, ...],
     stored_dtype: str,
     coordinates: _Coordinates,
-) -> tuple[IndexRuns, ...] | Literal[False] | None:
-    """Global index runs this rank reads of ``name``: None = all of it, False = none."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(value, DTensor):
-        return Everything
-    mesh = value.device_mesh
-    coordinate = coordinates(mesh)
-    if coordinate is None:
-        return False
-    shape = tuple(value.shape)
-    f4_packed = stored_dtype == "F4" and str(value.dtype) == "torch.float4_e2m1fn_x2"
-    logical = (*shape[:-1], shape[-1] * 2) if f4_packed and shape else shape
-    placements = model_placements(value.placements)
-    if logical != stored_shape or placements is None:
-        why = (
-            f"unsupported placements {value.placements}"
-            if placements is None
-            else f"shape {list(logical)} differs from the checkpoint's {list(stored_shape)}"
-        )
-        logger.debug("%s: %s; reading the whole tensor", name, why)
-        return Everything
-    runs = local_index_runs(shape, tuple(mesh.shape), tuple(coordinate), placements)
-    if f4_packed and runs:  # one torch element holds two logical F4 values
-        runs = (*runs[:-1], tuple((2 * a, 2 * b) for a, b in runs[-1]))
-    return runs
-
-
-def _converted_runs(
-    name: str,
-    value: Any,
-    route: Converted,
+    converted: Converted | None,
     index: int,
-    stored_shape: tuple[int, ...],
-    coordinates: _Coordinates,
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
-    """What this rank reads of a checkpoint tensor a conversion turns into ``value``."""
+    """Global index runs this rank reads of checkpoint tensor ``name``, which fills ``value``
+    directly or through ``converted``: None = all of it, False = none."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(value, DTensor):
@@ -151,9 +119,11 @@ def _converted_runs(
     if coordinate is None:
         return False
     placements = model_placements(value.placements)
+    if converted is None:
+        return _direct_runs(name, value, stored_shape, stored_dtype, coordinate, placements)
     why = ""
-    if not route.exact:
-        why = f"conversion {[str(op) for op in route.ops]} is not stack/concatenate/chunk"
+    if not converted.exact:
+        why = f"conversion {[str(op) for op in converted.ops]} is not stack/concatenate/chunk"
     elif placements is None:
         why = f"unsupported placements {value.placements}"
     elif str(value.dtype) == "torch.float4_e2m1fn_x2":
@@ -165,8 +135,34 @@ def _converted_runs(
         if runs is not None:
             return runs
         why = f"placements {value.placements} do not fit shape {list(stored_shape)}"
-    logger.debug("%s -> %s: %s; reading the whole tensor", name, route.target, why)
+    logger.debug("%s -> %s: %s; reading the whole tensor", name, converted.target, why)
     return Everything
+
+
+def _direct_runs(
+    name: str,
+    value: Any,
+    stored_shape: tuple[int, ...],
+    stored_dtype: str,
+    coordinate: tuple[int, ...],
+    placements: tuple[Placement, ...] | None,
+) -> tuple[IndexRuns, ...] | None:
+    """The runs of a DTensor read as stored (no conversion); None = all of it."""
+    shape = tuple(value.shape)
+    f4_packed = stored_dtype == "F4" and str(value.dtype) == "torch.float4_e2m1fn_x2"
+    logical = (*shape[:-1], shape[-1] * 2) if f4_packed and shape else shape
+    if logical != stored_shape or placements is None:
+        why = (
+            f"unsupported placements {value.placements}"
+            if placements is None
+            else f"shape {list(logical)} differs from the checkpoint's {list(stored_shape)}"
+        )
+        logger.debug("%s: %s; reading the whole tensor", name, why)
+        return Everything
+    runs = local_index_runs(shape, tuple(value.device_mesh.shape), coordinate, placements)
+    if f4_packed and runs:  # one torch element holds two logical F4 values
+        runs = (*runs[:-1], tuple((2 * a, 2 * b) for a, b in runs[-1]))
+    return runs
 
 
 def _route(
@@ -241,11 +237,7 @@ def rank_spans(
         for name, converted, index in by_state_key.get(key, ()):
             pieces = ckpt.pieces[name]
             shape = global_shape(pieces)
-            runs = (
-                _needed_runs(name, value, shape, pieces[0][1].dtype, coordinates)
-                if converted is None
-                else _converted_runs(name, value, converted, index, shape, coordinates)
-            )
+            runs = _read_runs(name, value, shape, pieces[0][1].dtype, coordinates, converted, index)
             if runs is not False:
                 out.extend(stored_tensor_spans(name, pieces, runs))
     if unmatched == "warm":

@@ -101,7 +101,8 @@ def start_together(barrier: Path, local_rank: int, local_world: int) -> float:
     return time.monotonic()
 
 
-def main() -> None:
+def rank_arguments() -> argparse.ArgumentParser:
+    """The arguments bench_end_to_end.run_local_ranks gives every rank process."""
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--arm", choices=("none", "whole", "spanwarm"), required=True)
@@ -109,9 +110,14 @@ def main() -> None:
     parser.add_argument("--local-rank", type=int, required=True)
     parser.add_argument("--local-world", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--experts", type=int, required=True)
     parser.add_argument("--barrier", type=Path, required=True)
     parser.add_argument("--socket")
+    return parser
+
+
+def main() -> None:
+    parser = rank_arguments()
+    parser.add_argument("--experts", type=int, required=True)
     args = parser.parse_args()
 
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)

@@ -18,7 +18,6 @@ load, seconds the loader waited for readiness, bytes requested.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -37,27 +36,18 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import DistributedConfig
 
 import spanwarm.integrations.transformers as spanwarm_tf
-from bench.e2e_rank import read_whole, start_together
+from bench.e2e_rank import rank_arguments, read_whole, start_together
 from spanwarm.client import Client
 
 EP = 4
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model", type=Path)
-    parser.add_argument("--arm", choices=("none", "whole", "spanwarm"), required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--local-rank", type=int, required=True)
-    parser.add_argument("--local-world", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--barrier", type=Path, required=True)
-    parser.add_argument("--socket")
-    args = parser.parse_args()
+    args = rank_arguments().parse_args()  # the model directory is its "checkpoint"
     transformers.utils.logging.set_verbosity(logging.ERROR)
     os.environ.update(LOCAL_RANK=str(args.local_rank), RANK=str(args.rank))
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
-    config = transformers.AutoConfig.from_pretrained(args.model)
+    config = transformers.AutoConfig.from_pretrained(args.checkpoint)
     model_class = getattr(transformers, config.architectures[0])
     session = (
         spanwarm_tf.enable(Client(args.socket), job="bench") if args.arm == "spanwarm" else None
@@ -65,10 +55,10 @@ def main() -> None:
 
     start = start_together(args.barrier, args.local_rank, args.local_world)
     if args.arm == "whole":
-        shards = sorted(args.model.glob("*.safetensors"))
+        shards = sorted(args.checkpoint.glob("*.safetensors"))
         read_whole(shards[args.local_rank :: args.local_world])
     model_class.from_pretrained(
-        args.model,
+        args.checkpoint,
         distributed_config=DistributedConfig(fsdp_size=args.world, ep_size=EP),
         dtype=torch.bfloat16,
     )

@@ -24,11 +24,12 @@ where it applies, and the cause, so that callers never parse messages::
     │   │   ├── NoShardsError           nothing to load: no index and no *.safetensors
     │   │   └── DuplicateTensorError    one tensor stored twice with no chunk offsets
     │   ├── FileChangedError            a file shrank or was replaced while being warmed
+    │   ├── StorageError                the storage failed a read or a lookup (EIO, ESTALE ...)
     │   ├── PathNotAllowedError         a file outside the daemon's allowed roots
     │   └── SpanOutOfRangeError         a span reaches past the end of its file
     └── RequestError                    a Warm request the daemon refuses as a whole
         ├── InvalidRequestError         malformed: ragged columns, bad indices, bad paths
-        └── RequestTooLargeError        more spans or files than the per-request limit
+        └── RequestTooLargeError        over a per-request limit (spans, files, cells, rows)
 
 Each class carries ``grpc_code``, the name of the gRPC status code the daemon answers
 with, so clients and the daemon agree on one mapping without importing grpc here.
@@ -63,6 +64,7 @@ __all__ = [
     "ShardOutsideCheckpointError",
     "SpanOutOfRangeError",
     "SpanwarmError",
+    "StorageError",
     "TensorSizeMismatchError",
     "UnknownDtypeError",
 ]
@@ -167,6 +169,12 @@ class FileChangedError(CheckpointError):
     grpc_code: ClassVar[str] = "ABORTED"
 
 
+class StorageError(CheckpointError):
+    """The storage failed a read or a lookup: an I/O error, a stale handle, a lost mount."""
+
+    grpc_code: ClassVar[str] = "UNAVAILABLE"
+
+
 class PathNotAllowedError(CheckpointError):
     """A file lies outside the daemon's allowed roots (symlinks resolved)."""
 
@@ -190,6 +198,6 @@ class InvalidRequestError(RequestError):
 
 
 class RequestTooLargeError(RequestError):
-    """More spans or files than the daemon's per-request limit."""
+    """Over one of the daemon's per-request limits (spans, files, cells touched, rows)."""
 
     grpc_code: ClassVar[str] = "RESOURCE_EXHAUSTED"

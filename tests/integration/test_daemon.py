@@ -252,7 +252,7 @@ def test_bad_input_gets_its_own_status_code_and_the_daemon_keeps_serving(tmp_pat
             "past the end",
             _request([g], [(0, MiB - 4, 8, 8, 1)]),
             "OUT_OF_RANGE",
-            f"{g}: span ends at",
+            f"{g}: span 0 ends at",
         ),
         (
             "strided past the end",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -28,6 +29,8 @@ def add_parser(commands: Any) -> None:
     )
     for name, setting, default in settings():
         shown = f" (default: {default})" if default not in (None, (), "") else ""
+        shown = shown.replace("%", "%%")
+        setting = dataclasses.replace(setting, help=setting.help.replace("%", "%%"))  # argparse
         if setting.kind == "paths":
             parser.add_argument(
                 setting.flag,

@@ -8,6 +8,7 @@ for a blocking read), and are shared by identity across every request on the nod
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -28,13 +29,39 @@ from spanwarm.errors import (
     RequestTooLargeError,
     ShardMissingError,
     SpanOutOfRangeError,
+    SpanwarmError,
+    StorageError,
 )
 from spanwarm.residency import residency_trusted
 from spanwarm.spans import SpanTable
 
-__all__ = ["AdmittedRequest", "FileIdentity", "FileTable", "OpenFile", "admit"]
+__all__ = ["AdmittedRequest", "FileIdentity", "FileTable", "OpenFile", "admit", "lookup_error"]
 
-_MAX_VALUE = 2**62  # span arithmetic stays inside int64
+_MAX_VALUE = 2**62  # every wire value is below this, so span arithmetic stays inside int64
+_MAX_NAMED = 2**60  # bytes one request may name in total (sums stay exact in int64)
+
+
+_MAX_SHOWN = 200  # characters of a caller's path quoted back in a message
+
+
+def _shown(path: str) -> str:
+    """A caller's path for a message: quoted, and cut short if it is huge."""
+    text = repr(path)
+    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}...' ({len(path)} chars)"
+
+
+def lookup_error(path: str, exc: OSError) -> SpanwarmError:
+    """The documented refusal for an ``OSError`` from looking a file up or opening it."""
+    cause = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return ShardMissingError(path, f"no such file: {cause}")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PathNotAllowedError(path, f"cannot be read by the daemon: {cause}")
+    if exc.errno == errno.ENAMETOOLONG:
+        return InvalidRequestError(f"file {_shown(path)}: {cause}")
+    if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+        return NotARegularFileError(path, f"cannot be opened as a regular file: {cause}")
+    return StorageError(path, f"the storage failed the lookup: {cause}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +85,7 @@ class OpenFile:
         self.identity = identity
         self.trusted = residency_trusted(fd)  # mincore tells the truth for this file
         self.refs = 0
+        self.failed = False  # changed under us: its requests failed, it is not planned again
 
     @property
     def size(self) -> int:
@@ -103,7 +131,9 @@ class FileTable:
 
     def acquire(self, path: str) -> OpenFile:
         if not path or not os.path.isabs(path):
-            raise InvalidRequestError(f"file {path!r}: paths must be absolute")
+            raise InvalidRequestError(f"file {_shown(path)}: paths must be absolute")
+        if "\0" in path:
+            raise InvalidRequestError(f"file {_shown(path)}: a path cannot contain a NUL byte")
         real = os.path.realpath(path)
         if self._roots and not any(
             os.path.commonpath([real, root]) == root for root in self._roots
@@ -113,12 +143,8 @@ class FileTable:
             )
         try:
             st = os.stat(real)
-        except FileNotFoundError:
-            raise ShardMissingError(path, "no such file") from None
-        except PermissionError as exc:
-            raise PathNotAllowedError(
-                path, f"cannot be read by the daemon: {exc.strerror}"
-            ) from None
+        except OSError as exc:
+            raise lookup_error(path, exc) from None
         if not stat.S_ISREG(st.st_mode):
             raise NotARegularFileError(path, "is not a regular file")
         identity = FileIdentity.of(st)
@@ -129,11 +155,13 @@ class FileTable:
                 return shared
         try:
             fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except PermissionError as exc:
-            raise PathNotAllowedError(
-                path, f"cannot be read by the daemon: {exc.strerror}"
-            ) from None
-        opened = FileIdentity.of(os.fstat(fd))
+        except OSError as exc:
+            raise lookup_error(path, exc) from None
+        try:
+            opened = FileIdentity.of(os.fstat(fd))
+        except OSError as exc:
+            os.close(fd)
+            raise lookup_error(path, exc) from None
         if opened != identity:
             os.close(fd)
             raise FileChangedError(path, "changed while being opened")
@@ -167,7 +195,12 @@ class FileTable:
 
 @dataclass
 class AdmittedRequest:
-    """A validated request: its files opened, its spans as columns per file."""
+    """A validated request: its files opened, its spans as columns per file.
+
+    Spans are normalized: rows that touch or overlap (``length >= stride``) are one
+    contiguous span, a zero stride names its row once, and spans naming no bytes are
+    ``(0, 0, 1, 0)``. So ``length * count`` is exactly the bytes a span names.
+    """
 
     job: str
     rank: int
@@ -186,12 +219,98 @@ def _column(values: Any, name: str) -> npt.NDArray[np.int64]:
     # fromiter: one Python int at a time, not a list of a million of them (RSS stays flat).
     array = np.fromiter(values, dtype=np.uint64, count=len(values))
     if array.size and int(array.max()) >= _MAX_VALUE:
-        raise InvalidRequestError(f"{name}: a value is beyond 2**62")
+        i = int(np.argmax(array >= _MAX_VALUE))
+        raise InvalidRequestError(f"{name}[{i}] = {int(array[i])} is beyond 2**62")
     return array.astype(np.int64)
 
 
+def _normalize(
+    offset: npt.NDArray[np.int64],
+    length: npt.NDArray[np.int64],
+    stride: npt.NDArray[np.int64],
+    count: npt.NDArray[np.int64],
+) -> npt.NDArray[np.int64]:
+    """Rewrite the span columns in place to their normal form (see AdmittedRequest) and
+    return where each span ends. Every value is below 2**62 on entry; nothing overflows:
+    the last row's start is checked by division before it is computed."""
+    empty = (length == 0) | (count == 0)
+    offset[empty], length[empty], stride[empty], count[empty] = 0, 0, 1, 0
+    count[(count > 1) & (stride == 0)] = 1  # the same row again names no new byte
+    rows = count > 1
+    room = _MAX_VALUE - offset[rows] - length[rows]  # > -2**62: no overflow
+    beyond = (count[rows] - 1) > room // stride[rows]
+    if beyond.any():
+        i = int(np.flatnonzero(rows)[np.argmax(beyond)])
+        raise InvalidRequestError(
+            f"span {i}: offset {int(offset[i])} + (count {int(count[i])} - 1) x stride "
+            f"{int(stride[i])} + length {int(length[i])} is beyond 2**62"
+        )
+    touching = rows & (length >= stride)  # rows that meet or overlap: one contiguous run
+    length[touching] = (count[touching] - 1) * stride[touching] + length[touching]
+    count[touching] = 1
+    single = count == 1
+    stride[single] = np.maximum(length[single], 1)
+    return offset + (count - 1) * stride + length
+
+
+def _over(values: npt.NDArray[np.int64], limit: int) -> int:
+    """``values.sum()`` when it is at most about twice ``limit``, else ``limit + 1``; exact
+    where it matters and free of overflow (limits are at most 2**40, see DaemonConfig)."""
+    clipped = np.minimum(values, limit + 1)
+    if float(clipped.sum(dtype=np.float64)) > 2 * limit + 2:  # far over: rounding is moot
+        return limit + 1
+    return int(clipped.sum())
+
+
+def _check_work(
+    file_index: npt.NDArray[np.int64],
+    offset: npt.NDArray[np.int64],
+    end: npt.NDArray[np.int64],
+    length: npt.NDArray[np.int64],
+    count: npt.NDArray[np.int64],
+    config: DaemonConfig,
+) -> None:
+    """Refuse a request whose bookkeeping would cost more than the limits allow, before
+    any of it is built: what the daemon allocates follows the cells and rows the spans
+    touch, not the number of spans (128 strided spans can touch 8 million cells)."""
+    if (length * count).sum(dtype=np.float64) >= _MAX_NAMED:  # each term <= its file's size
+        raise InvalidRequestError("the spans name more than 2**60 bytes in total")
+    live = count > 0
+    chunk = config.chunk_bytes
+    first, last = offset[live] // chunk, (end[live] - 1) // chunk
+    per_span = last - first + 1
+    if _over(per_span, config.max_span_cells) > config.max_span_cells:
+        raise RequestTooLargeError(
+            f"the spans touch more than {config.max_span_cells} cells of {chunk} bytes, "
+            "counting each span's cells between its first and last byte (max_span_cells)"
+        )
+    # Distinct cells, bounded per file by the lesser of its spans' cells and its envelope.
+    files = file_index[live]
+    order = np.argsort(files, kind="stable")
+    heads = np.flatnonzero(np.diff(files[order], prepend=-1))
+    if heads.size:
+        envelope = (
+            np.maximum.reduceat(last[order], heads) - np.minimum.reduceat(first[order], heads) + 1
+        )
+        distinct = np.minimum(envelope, np.add.reduceat(per_span[order], heads))
+        if _over(distinct, config.max_cells) > config.max_cells:
+            raise RequestTooLargeError(
+                f"the spans touch more than {config.max_cells} distinct cells of {chunk} bytes "
+                "(max_cells)"
+            )
+    if _over(np.where(count > 1, count, 0), config.max_rows) > config.max_rows:
+        raise RequestTooLargeError(
+            f"the strided spans have more than {config.max_rows} rows in total (max_rows)"
+        )
+
+
 def admit(request: Any, table: FileTable, config: DaemonConfig) -> AdmittedRequest:
-    """Validate a ``spanwarm.v1.WarmRequest`` and open its files, or raise why not."""
+    """Validate a ``spanwarm.v1.WarmRequest`` and open its files, or raise why not.
+
+    Everything that can be checked without the files is checked first, in exact
+    arithmetic; then the files are opened one by one, and a refusal from here on gives
+    back every file already acquired.
+    """
     columns = ("file_index", "offset", "length", "stride", "count", "group_index")
     n = len(request.offset)
     if any(len(getattr(request, c)) != n for c in columns):
@@ -199,6 +318,10 @@ def admit(request: Any, table: FileTable, config: DaemonConfig) -> AdmittedReque
         raise InvalidRequestError(f"span columns differ in length: {lengths}")
     if n > config.max_spans:
         raise RequestTooLargeError(f"{n} spans exceed the limit of {config.max_spans} per request")
+    if len(request.groups) > config.max_spans:
+        raise RequestTooLargeError(
+            f"{len(request.groups)} groups exceed the limit of {config.max_spans} per request"
+        )
     if len(request.files) > config.max_files:
         raise RequestTooLargeError(
             f"{len(request.files)} files exceed the limit of {config.max_files} per request"
@@ -215,8 +338,8 @@ def admit(request: Any, table: FileTable, config: DaemonConfig) -> AdmittedReque
         )
     offset, length = _column(request.offset, "offset"), _column(request.length, "length")
     stride, count = _column(request.stride, "stride"), _column(request.count, "count")
-    if n and int(count.max()) * max(int(stride.max()), 1) >= _MAX_VALUE:
-        raise InvalidRequestError("stride x count is beyond 2**62")
+    end = _normalize(offset, length, stride, count)
+    _check_work(file_index, offset, end, length, count, config)
 
     files: list[OpenFile] = []
     try:
@@ -226,19 +349,17 @@ def admit(request: Any, table: FileTable, config: DaemonConfig) -> AdmittedReque
         span_groups: dict[int, npt.NDArray[np.int64]] = {}
         for position, file in enumerate(files):
             mine = file_index == position
-            t = SpanTable(offset[mine], length[mine], stride[mine], count[mine])
-            ends = np.where(t.count > 0, t.envelope_stops(), t.offset)
-            beyond = np.flatnonzero(ends > file.size)
+            beyond = np.flatnonzero(mine & (count > 0) & (end > file.size))
             if beyond.size:
                 i = int(beyond[0])
                 raise SpanOutOfRangeError(
                     request.files[position],
-                    f"span ends at {int(ends[i])}, past the end of the {file.size}-byte file",
-                    offset=int(t.offset[i]),
+                    f"span {i} ends at {int(end[i])}, past the end of the {file.size}-byte file",
+                    offset=int(offset[i]),
                 )
-            spans[position] = t
+            spans[position] = SpanTable(offset[mine], length[mine], stride[mine], count[mine])
             span_groups[position] = group_index[mine]
-    except Exception:
+    except BaseException:
         for file in files:
             table.release(file)
         raise

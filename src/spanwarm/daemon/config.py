@@ -107,6 +107,26 @@ class DaemonConfig:
     max_files: int = _setting(
         100_000, flag="--max-files", kind="int", help="most files one Warm request may name"
     )
+    max_cells: int = _setting(
+        262_144,
+        flag="--max-cells",
+        kind="int",
+        help="most distinct chunk-size cells one Warm request may touch (what the daemon keeps "
+        "per request; 2 TiB of a file at 8 MiB cells)",
+    )
+    max_span_cells: int = _setting(
+        2_000_000,
+        flag="--max-span-cells",
+        kind="int",
+        help="most (span, cell) pairs one Warm request may make: each span counts the cells "
+        "between its first and last byte",
+    )
+    max_rows: int = _setting(
+        8_000_000,
+        flag="--max-rows",
+        kind="int",
+        help="most rows the strided spans of one Warm request may have in total",
+    )
     drain_seconds: float = _setting(
         10.0,
         flag="--drain-seconds",
@@ -180,8 +200,10 @@ class DaemonConfig:
             )
         if self.seek_cost < 0:
             raise ConfigError(f"seek_cost: must be >= 0, got {self.seek_cost}")
-        if self.max_spans < 1 or self.max_files < 1:
-            raise ConfigError("max_spans and max_files must be >= 1")
+        for name in ("max_spans", "max_files", "max_cells", "max_span_cells", "max_rows"):
+            value = getattr(self, name)
+            if not 1 <= value <= 2**40:  # the bound keeps admission's sums exact in int64
+                raise ConfigError(f"{name}: must be between 1 and 2**40, got {value}")
         if self.drain_seconds < 0:
             raise ConfigError(f"drain_seconds: must be >= 0, got {self.drain_seconds}")
         if self.throttle_bytes_per_s is not None and self.throttle_bytes_per_s <= 0:

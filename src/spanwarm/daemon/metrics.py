@@ -6,11 +6,14 @@ the node's status once a second, so the exporter's thread never reads live state
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = ["Metrics"]
+
+logger = logging.getLogger("spanwarm.daemon")
 
 
 class Metrics:
@@ -56,6 +59,18 @@ class Metrics:
         self.active = Gauge("spanwarm_active_requests", "Live Warm requests", registry=r)
         self.planned = Gauge("spanwarm_planned_bytes", "Bytes the node plan reads", registry=r)
         self.warm = Gauge("spanwarm_warm_bytes", "Bytes of the node plan warmed so far", registry=r)
+
+    def add(self, metric: Any, amount: float = 1.0, *labels: str) -> None:
+        """Count ``amount`` on ``metric`` (a Counter or Histogram, with ``labels``). Never
+        raises: a metric is never a reason to fail a request."""
+        try:
+            target = metric.labels(*labels) if labels else metric
+            if isinstance(target, Histogram):
+                target.observe(amount)
+            elif amount > 0:
+                target.inc(amount)
+        except Exception:
+            logger.debug("metric %s: cannot count %r", metric, amount, exc_info=True)
 
     def refresh(self, status: dict[str, Any]) -> None:
         """Set the gauges from a ``Node.status()`` snapshot."""

@@ -9,7 +9,11 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
 - **Plan.** Each file's plan is the cost model applied to the union of the spans of
   every live request that names it (every rank, every job): bridged runs, or the whole
   file. It is recomputed when a request arrives or leaves, so warming that nobody needs
-  any more drops out of the plan and its queued cells are skipped.
+  any more drops out of the plan and its queued cells are skipped. Planning runs in a
+  worker thread, in batches (every file that changed since the last batch); a request
+  becomes *active* (its cells waited on, its plan event sent) only once a plan that
+  includes its spans is in place, so a stale plan can never make it ready early. A plan
+  left over from a request that has gone is a superset: harmless.
 - **Need.** A request needs, in each cell its spans touch, the planned bytes between the
   first and last byte it names there (its *hull*). Its tensor groups each wait for the
   cells their spans touch.
@@ -21,6 +25,11 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
 - **Order.** Requests take turns (round robin); each one's cells go in the order its
   spans came, so every rank's first tensors are warm first. Cells the plan reads that no
   request needs (bridged gaps, whole files) take the last turn.
+- **Faults.** A warm operation that fails is narrowed down page by page
+  (:func:`~spanwarm.daemon.warm_engine.bad_pages`): the good bytes count as warm, and
+  only the groups with a byte on a bad page fail, with the errno and the first bad offset.
+- **Shutdown.** Warm, planning and admission threads are daemon threads: a read hung in
+  the storage is abandoned, never joined.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ import collections
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +51,14 @@ from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Range, Request
-from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method
+from spanwarm.daemon.threads import DaemonThreadPool
+from spanwarm.daemon.warm_engine import (
+    BadRange,
+    WarmEngine,
+    WarmMethod,
+    bad_pages,
+    default_method,
+)
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, unmap
 from spanwarm.residency import PAGE, resident_bytes
@@ -54,11 +69,44 @@ __all__ = ["Node"]
 logger = logging.getLogger("spanwarm.daemon")
 
 
-@dataclass
+@dataclass(slots=True)
 class Cell:
     warm: list[tuple[int, int, float]] = field(default_factory=list)  # (start, stop, completed)
     in_flight: bool = False
     waiters: set[Request] = field(default_factory=set)
+    bad: list[tuple[int, int, float]] = field(default_factory=list)  # failed reads: (.., when)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What one warm operation did."""
+
+    read: int = 0  # bytes read from storage
+    verified: int = 0  # bytes found resident already
+    kept: list[tuple[int, int]] = field(default_factory=list)  # --hold: (address, length)
+    bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
+
+
+def _since(ranges: list[tuple[int, int, float]], when: float) -> list[Range]:
+    """The ranges recorded at or after ``when``, as one sorted, disjoint list."""
+    return _union((a, b) for a, b, t in ranges if t >= when)
+
+
+def _plan_files(
+    jobs: list[tuple[OpenFile, list[SpanTable]]], seek_cost: int, chunk: int
+) -> list[tuple[OpenFile, FilePlan, collections.deque[CellKey]]]:
+    """Runs in the planning worker: each file's plan over its users' spans, and every
+    cell the plan reads (the background queue; cells some request waits on are skipped
+    when they come up)."""
+    out = []
+    for file, tables in jobs:
+        plan = plan_file(file.path, file.size, SpanTable.concat(tables), seek_cost)
+        first, last = plan.runs.starts // chunk, (plan.runs.stops - 1) // chunk
+        counts = last - first + 1
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        cells = np.unique(np.repeat(first, counts) + offsets)
+        out.append((file, plan, collections.deque((file, c) for c in cells.tolist())))
+    return out
 
 
 def _clip(runs: Iterable[Range], lo: int, hi: int) -> list[Range]:
@@ -149,7 +197,15 @@ class Node:
         self._background: dict[OpenFile, collections.deque[CellKey]] = {}
         self._turn = 0
         self._in_flight = 0
-        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="spanwarm-warm")
+        self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
+        # Admission stats and opens files (which may block on a mount) and indexes spans;
+        # two at a time bounds the memory a burst of large requests takes at once.
+        self.admission_pool = DaemonThreadPool(2, "spanwarm-admit")
+        self._plan_pool = DaemonThreadPool(1, "spanwarm-plan")
+        self._planner: asyncio.Task[None] | None = None
+        self._plan_wake = asyncio.Event()
+        self._dirty: set[OpenFile] = set()
+        self._plan_waiters: list[asyncio.Future[None]] = []
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -173,12 +229,21 @@ class Node:
         loop = asyncio.get_running_loop()
         self._dispatcher = loop.create_task(self._dispatch(), name="dispatch")
         self._refresher = loop.create_task(self._refresh_metrics(), name="metrics")
+        self._planner = loop.create_task(self._plan_loop(), name="plan")
 
     async def _refresh_metrics(self) -> None:
         while True:
-            self._expire_holds()
-            self.metrics.refresh(self.status())
+            try:
+                self._expire_holds()
+                self.metrics.refresh(self.status())
+            except Exception:  # a metrics refresh must never stop the holds from expiring
+                logger.exception("refreshing the metrics failed")
             await asyncio.sleep(1.0)
+
+    @property
+    def in_flight(self) -> int:
+        """Warm operations running now."""
+        return self._in_flight
 
     # -- the memory budget -----------------------------------------------------------------
 
@@ -232,13 +297,18 @@ class Node:
         return committed > 0 and committed + self.chunk > self.budget
 
     async def close(self) -> None:
-        for task in (self._dispatcher, self._refresher):
+        """Stop at once: warm operations still running (a hung read, say) are abandoned,
+        not waited for; every file and mapping is given back."""
+        for task in (self._dispatcher, self._refresher, self._planner, *self._tasks):
             if task is not None:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._pool.shutdown(wait=True)
+        await asyncio.gather(
+            *(t for t in (self._dispatcher, self._refresher, self._planner) if t is not None),
+            *self._tasks,
+            return_exceptions=True,
+        )
+        for pool in (self._pool, self.admission_pool, self._plan_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         for request in list(self._requests):
             self.release(request)
         for mappings in self._mappings.values():
@@ -249,18 +319,31 @@ class Node:
 
     # -- requests ----------------------------------------------------------------------
 
-    def register(self, request: Request) -> None:
-        """Add an admitted request (built off the loop with ``Request(admitted, node.chunk)``)."""
+    async def register(self, request: Request) -> None:
+        """Add an admitted request (built off the loop with ``Request(admitted, node.chunk)``)
+        and return once it is active: every file's plan includes its spans.
+
+        The caller releases it in every case (``release`` undoes whatever got done), so a
+        failure or a cancellation here leaves the node as it was.
+        """
         self._requests.append(request)
         for file in request.files:
             self._users.setdefault(file, set()).add(request)
-        for key in request.cells:
-            self._cells.setdefault(key, Cell()).waiters.add(request)
         needed_before = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
-        self._replan(request.files)
+        await self._replanned(request.files)
+        if request not in self._requests:  # released while planning
+            return
+        for key in request.cells:
+            cell = self._cells.get(key)
+            if cell is None:
+                cell = self._cells[key] = Cell()
+            cell.waiters.add(request)
+        request.active = True
         needed_after = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
-        self.metrics.requested.inc(request.nbytes)
-        self.metrics.deduped.inc(max(0, request.nbytes - (needed_after - needed_before)))
+        self.metrics.add(self.metrics.requested, request.nbytes)
+        self.metrics.add(
+            self.metrics.deduped, max(0, request.nbytes - (needed_after - needed_before))
+        )
         empty = np.flatnonzero(request.remaining == 0)
         request.state[empty] = READY
         if empty.size:
@@ -269,57 +352,83 @@ class Node:
         self._wake.set()
 
     def release(self, request: Request) -> None:
-        """The request's stream ended: drop its interest and everything only it needed."""
+        """The request's stream ended: drop its interest and everything only it needed.
+        Safe to call more than once, and for a request that never became active."""
         if request not in self._requests:
             return
         self._requests.remove(request)
+        request.active = False
         for key in request.cells:
             cell = self._cells.get(key)
             if cell is not None:
                 cell.waiters.discard(request)
             self._unhold(key, request)
         for file in request.files:
-            self._users[file].discard(request)
-        self._replan(request.files)
-        for file in request.files:
-            if not self._users[file]:
-                del self._users[file]
+            users = self._users.get(file)
+            if users is not None:
+                users.discard(request)
+            if not users:
+                self._users.pop(file, None)
                 self._plans.pop(file, None)
+                self._background.pop(file, None)
                 for key in [
                     k for k in self._cells if k[0] is file and not self._cells[k].in_flight
                 ]:
                     del self._cells[key]
+        self._mark_dirty(f for f in request.files if f in self._users)
         for file in request.acquired:
             self.files.release(file)
         for key in request.cells:
             self._release_if_free(key)
 
+    # -- planning (in a worker thread, in batches) ---------------------------------------------
+
+    def _mark_dirty(self, files: Iterable[OpenFile]) -> None:
+        self._dirty.update(files)
+        if self._dirty:
+            self._plan_wake.set()
+
+    async def _replanned(self, files: Iterable[OpenFile]) -> None:
+        """Wait until a plan computed after this call is in place for ``files``."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._plan_waiters.append(done)
+        self._mark_dirty(files)
+        self._plan_wake.set()
+        await done
+
+    async def _plan_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._plan_wake.wait()
+            self._plan_wake.clear()
+            dirty, self._dirty = self._dirty, set()
+            waiters, self._plan_waiters = self._plan_waiters, []
+            jobs = [
+                (f, [r.files[f] for r in self._users[f]])
+                for f in dirty
+                if self._users.get(f) and not f.failed
+            ]
+            try:
+                planned = await loop.run_in_executor(
+                    self._plan_pool, _plan_files, jobs, self.config.seek_cost, self.chunk
+                )
+            except Exception as exc:  # a bug: refuse the requests that waited, keep serving
+                logger.exception("planning failed")
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_exception(RuntimeError(f"planning failed: {exc!r}"))
+                continue
+            for file, plan, cells in planned:
+                if file in self._users and not file.failed:  # still wanted
+                    self._plans[file] = plan
+                    self._background[file] = cells
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._wake.set()
+
     def plan_of(self, request: Request) -> list[FilePlan]:
         return [self._plans[f] for f in request.files if f in self._plans]
-
-    def _replan(self, files: Iterable[OpenFile]) -> None:
-        for file in files:
-            users = self._users.get(file)
-            if not users:
-                self._background.pop(file, None)
-                continue
-            table = SpanTable.concat(r.files[file] for r in users)
-            plan = plan_file(file.path, file.size, table, self.config.seek_cost)
-            self._plans[file] = plan
-            self._background[file] = collections.deque(self._unneeded_cells(file, plan))
-
-    def _unneeded_cells(self, file: OpenFile, plan: FilePlan) -> list[CellKey]:
-        """Cells the plan reads that no request needs: bridged gaps and whole files."""
-        first, last = plan.runs.starts // self.chunk, (plan.runs.stops - 1) // self.chunk
-        counts = last - first + 1
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        cells = np.unique(np.repeat(first, counts) + offsets)
-        out: list[CellKey] = []
-        for cell in cells.tolist():
-            state = self._cells.get((file, cell))
-            if state is None or not state.waiters:
-                out.append((file, cell))
-        return out
 
     def _planned(self, key: CellKey, lo: int, hi: int) -> list[Range]:
         """The plan's runs inside the cell, clipped to ``[lo, hi)``."""
@@ -335,22 +444,27 @@ class Node:
         return _clip(zip(starts, stops, strict=True), lo, hi)
 
     def _satisfied(self, request: Request, key: CellKey) -> bool:
+        """Whether warm operations completed since the request arrived cover its need in
+        the cell (bytes that failed meanwhile are not needed: their groups failed)."""
         lo, hi = request.hull(key)
-        valid = _union((a, b) for a, b, t in self._cells[key].warm if t >= request.arrival)
-        return not _subtract(self._planned(key, lo, hi), valid)
+        cell = self._cells[key]
+        need = _subtract(self._planned(key, lo, hi), _since(cell.bad, request.arrival))
+        return not _subtract(need, _since(cell.warm, request.arrival))
 
     def _to_read(self, key: CellKey) -> list[Range]:
-        cell = self._cells.setdefault(key, Cell())
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = Cell()
         waiters = [r for r in cell.waiters if key in r.pending]
-        if not waiters:  # background: whatever of the plan was never warmed
-            return _subtract(self._planned(key, 0, 2**62), _union((a, b) for a, b, _ in cell.warm))
+        if not waiters:  # background: whatever of the plan was never warmed (or failed)
+            done = _union([*((a, b) for a, b, _ in cell.warm), *((a, b) for a, b, _ in cell.bad)])
+            return _subtract(self._planned(key, 0, 2**62), done)
         hulls = [r.hull(key) for r in waiters]
         lo = min(h[0] for h in hulls)
         hi = max(h[1] for h in hulls)
         since = max(r.arrival for r in waiters)
-        return _subtract(
-            self._planned(key, lo, hi), _union((a, b) for a, b, t in cell.warm if t >= since)
-        )
+        done = _union([*_since(cell.warm, since), *_since(cell.bad, since)])
+        return _subtract(self._planned(key, lo, hi), done)
 
     def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range]] | None:
         """The next cell to warm: requests take turns, background cells go last.
@@ -360,8 +474,9 @@ class Node:
         tensors would only delay it. Over the budget, only a cell that
         ``Request.may_exceed_budget`` allows still goes.
         """
-        starting = {r for r in self._requests if r.groups and r.state[0] == PENDING}
-        participants: list[Request | None] = [*self._requests, None]
+        active = [r for r in self._requests if r.active]
+        starting = {r for r in active if r.groups and r.state[0] == PENDING}
+        participants: list[Request | None] = [*active, None]
         for step in range(len(participants)):
             who = participants[(self._turn + step) % len(participants)]
             if who is None and (over_budget or starting):
@@ -374,6 +489,8 @@ class Node:
                 cell = self._cells.get(key)
                 if who is not None and key not in who.pending:
                     continue
+                if who is None and cell is not None and (cell.waiters or cell.warm):
+                    continue  # a request's cell: it goes (or went) in that request's turn
                 if (cell is not None and cell.in_flight) or key[0] not in self._plans:
                     continue  # in flight: its waiters are re-checked when it completes
                 held_back = who is not None and (
@@ -427,27 +544,31 @@ class Node:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            read, verified, kept = await loop.run_in_executor(
-                self._pool, self._warm_blocking, file, ranges
-            )
+            outcome = await loop.run_in_executor(self._pool, self._warm_blocking, file, ranges)
         except FileChangedError as exc:
             self._fail_file(file, exc.grpc_code, str(exc))
-        except OSError as exc:
+        except OSError as exc:  # the file could not even be opened again
             where = f"{file.path}: {exc.strerror or exc} (at offset {ranges[0][0]})"
             self._fail_cell(key, "UNAVAILABLE", where)
         else:
             done = time.monotonic()
-            self._cells[key].warm.extend((a, b, done) for a, b in ranges)
-            warmed = sum(b - a for a, b in ranges)
-            self._mappings.setdefault(key, []).extend(kept)
+            bad = [(b.start, b.stop) for b in outcome.bad]
+            good = _subtract(ranges, bad)
+            warmed_cell = self._cells[key]
+            warmed_cell.warm.extend((a, b, done) for a, b in good)
+            warmed = sum(b - a for a, b in good)
+            self._mappings.setdefault(key, []).extend(outcome.kept)
             self._held[key] = self._held.get(key, 0) + warmed
             self._held_total += warmed
-            self.bytes_read_total += read
-            self.bytes_verified_total += verified
-            self.metrics.warmed.labels(str(self.method)).inc(read)
-            self.metrics.resident.inc(verified)
-            self.metrics.latency.observe(done - started)
-            self._recent.append((done, read + verified))
+            self.bytes_read_total += outcome.read
+            self.bytes_verified_total += outcome.verified
+            self.metrics.add(self.metrics.warmed, outcome.read, str(self.method))
+            self.metrics.add(self.metrics.resident, outcome.verified)
+            self.metrics.add(self.metrics.latency, done - started)
+            self._recent.append((done, outcome.read + outcome.verified))
+            if outcome.bad:
+                self._fail_ranges(key, outcome.bad)
+                warmed_cell.bad.extend((b.start, b.stop, done) for b in outcome.bad)
             self._settle(key)
         finally:
             self._in_flight -= 1
@@ -460,25 +581,28 @@ class Node:
             self._release_if_free(key)
             self._wake.set()
 
-    def _warm_blocking(
-        self, file: OpenFile, ranges: list[Range]
-    ) -> tuple[int, int, list[tuple[int, int]]]:
-        """Runs in a worker: warm what is not already resident; (bytes read, bytes found,
-        mappings kept under --hold)."""
-        read = verified = 0
-        kept: list[tuple[int, int]] = []
+    def _warm_blocking(self, file: OpenFile, ranges: list[Range]) -> _Outcome:
+        """Runs in a worker: warm what is not already resident. A range the storage fails
+        is narrowed down to its bad pages; the rest of it is warmed."""
+        outcome = _Outcome()
         with file.stream() as fd:
             for start, stop in ranges:
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
                 if resident == stop - start:
-                    verified += resident
+                    outcome.verified += resident
                     continue
-                self.engine.warm(fd, [(start, stop)])
-                read += stop - start - resident
-                verified += resident
+                try:
+                    self.engine.warm(fd, [(start, stop)])
+                except FileChangedError:
+                    raise
+                except OSError:
+                    outcome.bad.extend(bad_pages(fd, start, stop))
+                outcome.read += stop - start - resident
+                outcome.verified += resident
             if self.config.hold:
-                kept = [_pin(fd, start, stop) for start, stop in ranges]
-        return read, verified, kept
+                bad = [(b.start, b.stop) for b in outcome.bad]
+                outcome.kept = [_pin(fd, a, b) for a, b in _subtract(ranges, bad)]
+        return outcome
 
     # -- readiness -----------------------------------------------------------------------
 
@@ -506,6 +630,36 @@ class Node:
                 request.events.put_nowait(Event("ready", tuple(now_ready.tolist())))
             self._finish_if_resolved(request)
 
+    def _fail_ranges(self, key: CellKey, bad: list[BadRange]) -> None:
+        """Fail exactly the groups waiting on this cell with a byte on a bad page: one
+        failed event per bad range, naming the errno and where the range starts."""
+        cell = self._cells.get(key)
+        if cell is None:
+            return
+        file = key[0]
+        for request in list(cell.waiters):
+            if key not in request.pending:
+                continue
+            for b in bad:
+                groups = request.groups_touching(file, b.start, b.stop)
+                groups = groups[request.state[groups] == PENDING]
+                if not groups.size:
+                    continue
+                request.state[groups] = FAILED
+                reason = f"{file.path}: {b.cause} (at offset {b.start})"
+                request.events.put_nowait(
+                    Event("failed", tuple(groups.tolist()), "UNAVAILABLE", reason)
+                )
+                self.metrics.add(self.metrics.errors, 1, "UNAVAILABLE")
+            self._finish_if_resolved(request)
+        logger.warning(
+            "%s: the storage failed %d bytes (first at offset %d: %s)",
+            file.path,
+            sum(b.stop - b.start for b in bad),
+            bad[0].start,
+            bad[0].cause,
+        )
+
     def _fail_cell(self, key: CellKey, code: str, reason: str) -> None:
         cell = self._cells.get(key)
         if cell is None:
@@ -516,10 +670,13 @@ class Node:
 
     def _fail_file(self, file: OpenFile, code: str, reason: str) -> None:
         logger.warning("%s", reason)
+        file.failed = True  # never planned again; a new request opens the file anew
         for request in list(self._users.get(file, ())):
             for key in [k for k in request.pending if k[0] is file]:
                 self._fail(request, key, code, reason)
-                self._cells[key].waiters.discard(request)
+                cell = self._cells.get(key)
+                if cell is not None:
+                    cell.waiters.discard(request)
         self._plans.pop(file, None)
 
     def _fail(self, request: Request, key: CellKey, code: str, reason: str) -> None:
@@ -529,7 +686,7 @@ class Node:
         if groups.size:
             request.state[groups] = FAILED
             request.events.put_nowait(Event("failed", tuple(groups.tolist()), code, reason))
-            self.metrics.errors.labels(code).inc()
+            self.metrics.add(self.metrics.errors, 1, code)
         self._finish_if_resolved(request)
 
     def _finish_if_resolved(self, request: Request) -> None:

@@ -38,11 +38,15 @@ class Event:
     reason: str = ""
 
 
+_PAIRS_PER_BATCH = 1 << 20  # (span, cell) pairs expanded at once: bounds the temporaries
+
+
 def _touches(
     table: SpanTable, groups: npt.NDArray[np.int64], size: int, chunk: int, file_id: int
-) -> tuple[npt.NDArray[np.int64], ...]:
+) -> list[tuple[npt.NDArray[np.int64], ...]]:
     """Every (file, cell, lo, hi, group, span) where a span has bytes in a cell: [lo, hi)
-    is the hull of that span's rows inside the cell."""
+    is the hull of that span's rows inside the cell. Expanded in batches of about
+    ``_PAIRS_PER_BATCH`` pairs, so the temporaries stay small whatever the spans."""
     keep = (table.length > 0) & (table.count > 0)
     span_ids = np.flatnonzero(keep)
     off, length = table.offset[keep], table.length[keep]
@@ -51,20 +55,31 @@ def _touches(
     end = off + (count - 1) * stride + length
     first_cell, last_cell = off // chunk, (end - 1) // chunk
     cells_per_span = last_cell - first_cell + 1
-    pair = np.repeat(np.arange(len(off)), cells_per_span)
-    cell = np.repeat(first_cell, cells_per_span) + (
-        np.arange(len(pair)) - np.repeat(np.cumsum(cells_per_span) - cells_per_span, cells_per_span)
+    bounds = np.searchsorted(
+        np.cumsum(cells_per_span),
+        np.arange(_PAIRS_PER_BATCH, int(cells_per_span.sum()), _PAIRS_PER_BATCH),
+        side="right",
     )
-    o, ln, st, ct = off[pair], length[pair], stride[pair], count[pair]
-    c0 = cell * chunk
-    c1 = np.minimum(c0 + chunk, size)
-    first_row = np.maximum(0, (c0 - o - ln) // st + 1)  # first row ending past c0
-    last_row = np.minimum(ct - 1, (c1 - 1 - o) // st)  # last row starting before c1
-    hit = first_row <= last_row
-    lo = np.maximum(c0, o + first_row * st)[hit]
-    hi = np.minimum(c1, o + last_row * st + ln)[hit]
-    span = span_ids[pair[hit]]
-    return (np.full(len(span), file_id, np.int64), cell[hit], lo, hi, groups[span], span)
+    out: list[tuple[npt.NDArray[np.int64], ...]] = []
+    for part in np.split(np.arange(len(off)), bounds):
+        if not part.size:
+            continue
+        per = cells_per_span[part]
+        pair = np.repeat(part, per)
+        cell = np.repeat(first_cell[part], per) + (
+            np.arange(len(pair)) - np.repeat(np.cumsum(per) - per, per)
+        )
+        o, ln, st, ct = off[pair], length[pair], stride[pair], count[pair]
+        c0 = cell * chunk
+        c1 = np.minimum(c0 + chunk, size)
+        first_row = np.maximum(0, (c0 - o - ln) // st + 1)  # first row ending past c0
+        last_row = np.minimum(ct - 1, (c1 - 1 - o) // st)  # last row starting before c1
+        hit = first_row <= last_row
+        lo = np.maximum(c0, o + first_row * st)[hit]
+        hi = np.minimum(c1, o + last_row * st + ln)[hit]
+        span = span_ids[pair[hit]]
+        out.append((np.full(len(span), file_id, np.int64), cell[hit], lo, hi, groups[span], span))
+    return out
 
 
 class Request:
@@ -84,6 +99,8 @@ class Request:
         self.arrival = time.monotonic()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.files: dict[OpenFile, SpanTable] = {}
+        self.file_groups: dict[OpenFile, npt.NDArray[np.int64]] = {}  # group of each span
+        self.active = False  # in the node plan and in its cells' waiters (Node.register)
         self.acquired = list(admitted.files)  # one file-table reference per listed path
         self.state = np.zeros(len(self.groups), dtype=np.int8)
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)
@@ -94,12 +111,14 @@ class Request:
         for position, file in enumerate(admitted.files):
             table = admitted.spans[position]
             groups = admitted.span_groups[position]
-            self.files[file] = (
-                SpanTable.concat([self.files[file], table]) if file in self.files else table
-            )
+            if file in self.files:  # one file under two names
+                self.files[file] = SpanTable.concat([self.files[file], table])
+                self.file_groups[file] = np.concatenate([self.file_groups[file], groups])
+            else:
+                self.files[file], self.file_groups[file] = table, groups
             np.add.at(self.group_bytes, groups, table.length * table.count)
             index = unique.setdefault(file, len(unique))
-            parts.append(_touches(table, groups, file.size, chunk, index))
+            parts.extend(_touches(table, groups, file.size, chunk, index))
         self._index(parts, list(unique))
 
     def _index(self, parts: list[tuple[npt.NDArray[np.int64], ...]], files: list[OpenFile]) -> None:
@@ -161,6 +180,13 @@ class Request:
             self._unread[rows] -= 1
             done.extend(self.cells[int(row)] for row in rows[self._unread[rows] == 0])
         return done
+
+    def groups_touching(self, file: OpenFile, start: int, stop: int) -> npt.NDArray[np.int64]:
+        """The groups with a byte in ``[start, stop)`` of ``file`` (exact, row by row)."""
+        t = self.files[file]
+        first_row = np.maximum(0, (start - t.offset - t.length) // t.stride + 1)  # ends > start
+        hit = (first_row < t.count) & (t.offset + first_row * t.stride < stop)
+        return np.unique(self.file_groups[file][hit])
 
     def serves_group(self, key: CellKey, group: int) -> bool:
         return bool((self.cell_groups(key) == group).any())

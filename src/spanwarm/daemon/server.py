@@ -2,8 +2,10 @@
 
 The Unix socket is created under a restrictive umask, so it is never more open than
 0600 (0660 once handed to ``--socket-group``). The gRPC health service goes
-NOT_SERVING first on shutdown, open streams get ``drain_seconds`` to finish, and the
-warm workers are joined before the process exits 0.
+NOT_SERVING first on shutdown, open streams get ``drain_seconds`` to finish, then the
+server stops (1 s grace) and the node closes without waiting for warm operations still
+running: a read hung in the storage cannot hold the exit, which comes within
+``drain_seconds`` + 2 s with status 0.
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ from grpc_reflection.v1alpha import reflection
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.notify import notify
-from spanwarm.daemon.service import WarmerService
+from spanwarm.daemon.service import WARMER, WarmerService
 from spanwarm.errors import SpanwarmError
-from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 
 __all__ = ["StartupError", "run", "serve"]
 
 logger = logging.getLogger("spanwarm.daemon")
 
-WARMER = warmer_pb2.DESCRIPTOR.services_by_name["Warmer"].full_name
-MAX_MESSAGE = 512 * 2**20  # a 4M-span request is ~40 MB
+MAX_MESSAGE = 128 * 2**20  # a 4M-span request is ~52 MB: room for long names, no more
+# Clients ping every 10 s to notice a frozen daemon (spanwarm.client); accept that
+# rather than answering with GOAWAY "too_many_pings" (the default wants 5 min).
+_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 class StartupError(SpanwarmError):
@@ -77,10 +84,11 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
+            *_KEEPALIVE_OPTIONS,
         ]
     )
     service = WarmerService(node, config)
-    warmer_pb2_grpc.add_WarmerServicer_to_server(service, server)
+    server.add_generic_rpc_handlers([service.handler()])
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(

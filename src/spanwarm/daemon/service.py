@@ -1,14 +1,23 @@
-"""The gRPC servicer: translates between protobuf messages and the node, nothing more."""
+"""The gRPC servicer: decodes requests, hands them to the node, encodes what comes back.
+
+Every call ends with a documented status code (docs/daemon.md): a message that does not
+decode is INVALID_ARGUMENT, a refusal carries its :mod:`spanwarm.errors` code, and an
+unexpected exception is INTERNAL, logged with its traceback, the node left consistent
+(a request is released whatever happened to it). UNKNOWN never leaves the daemon. The
+handlers are registered by hand, taking raw bytes, so that decoding is ours to answer.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError
 
 from spanwarm import __version__
 from spanwarm.costmodel import FilePlan
@@ -16,10 +25,10 @@ from spanwarm.daemon.admission import admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.request import FAILED, READY, Event, Request
-from spanwarm.errors import SpanwarmError
-from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+from spanwarm.errors import InvalidRequestError, SpanwarmError
+from spanwarm.rpc.v1 import warmer_pb2
 
-__all__ = ["WarmerService"]
+__all__ = ["HEARTBEAT_SECONDS", "WARMER", "WarmerService"]
 
 try:
     _malloc_trim: Any = ctypes.CDLL(None).malloc_trim  # glibc only
@@ -28,15 +37,50 @@ except AttributeError:
 
 logger = logging.getLogger("spanwarm.daemon")
 
+WARMER = warmer_pb2.DESCRIPTOR.services_by_name["Warmer"].full_name
+HEARTBEAT_SECONDS = 5.0  # a stream idle this long gets a heartbeat (clients watch for them)
+_MAX_DETAILS = 1000  # characters of a status message (it travels in a header)
 
 _PLAN_FIELDS = tuple(warmer_pb2.FilePlan.DESCRIPTOR.fields_by_name)
+_LIMITS = {
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+}
+
+
+def _message(cls: Any, fields: dict[str, Any]) -> Any:
+    """``cls(**fields)``, integers saturated to their field's range: a total that grew
+    past 2**64 shows as the largest value instead of failing the whole reply."""
+    known = cls.DESCRIPTOR.fields_by_name
+    values = {}
+    for name, value in fields.items():
+        field = known.get(name)
+        if field is None:
+            continue
+        bounds = _LIMITS.get(field.type)
+        if bounds is not None and isinstance(value, int):
+            value = min(max(value, bounds[0]), bounds[1])
+        values[name] = value
+    return cls(**values)
 
 
 def _file_plan(fields: dict[str, Any]) -> Any:
-    return warmer_pb2.FilePlan(**{k: v for k, v in fields.items() if k in _PLAN_FIELDS})
+    return _message(warmer_pb2.FilePlan, {k: v for k, v in fields.items() if k in _PLAN_FIELDS})
 
 
-class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
+def _details(text: str) -> str:
+    return text if len(text) <= _MAX_DETAILS else text[: _MAX_DETAILS - 3] + "..."
+
+
+def _decode(cls: Any, data: bytes) -> Any:
+    try:
+        return cls.FromString(data)
+    except (DecodeError, ValueError) as exc:
+        raise InvalidRequestError(f"not a valid {cls.DESCRIPTOR.name}: {exc}") from None
+
+
+class WarmerService:
     def __init__(self, node: Node, config: DaemonConfig) -> None:
         self.node = node
         self.config = config
@@ -46,47 +90,126 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
         self.idle = asyncio.Event()
         self.idle.set()
 
-    async def Warm(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
-        # stat/open may block on a network mount, and 1M spans take a while to index.
-        admission = asyncio.get_running_loop().run_in_executor(None, self._admit, request)
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The Warmer service's handlers: requests arrive as bytes, decoded by us."""
+        return grpc.method_handlers_generic_handler(
+            WARMER,
+            {
+                "Warm": grpc.unary_stream_rpc_method_handler(
+                    self.Warm, response_serializer=warmer_pb2.WarmEvent.SerializeToString
+                ),
+                "Status": grpc.unary_unary_rpc_method_handler(
+                    self.Status, response_serializer=warmer_pb2.StatusReply.SerializeToString
+                ),
+                "Consumed": grpc.unary_unary_rpc_method_handler(
+                    self.Consumed, response_serializer=warmer_pb2.ConsumedReply.SerializeToString
+                ),
+            },
+        )
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        """End the call with the status code ``exc`` maps to (INTERNAL if unexpected)."""
+        if isinstance(exc, SpanwarmError):
+            code, text = exc.grpc_code, str(exc)
+        else:
+            logger.error("unexpected error: %r", exc, exc_info=exc)
+            code, text = "INTERNAL", f"internal error in the daemon: {exc!r}"
+        self.node.metrics.add(self.node.metrics.errors, 1, code)
+        await context.abort(grpc.StatusCode[code], _details(text))
+
+    async def Warm(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            live = await asyncio.shield(admission)
-        except asyncio.CancelledError:  # the client left while we admitted: give files back
-            admission.add_done_callback(self._abandon)
+            request = _decode(warmer_pb2.WarmRequest, data)
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+            live = None
+            # stat/open may block on a network mount, and 1M spans take a while to index.
+            admission = asyncio.get_running_loop().run_in_executor(
+                self.node.admission_pool, self._admit, request
+            )
+            try:
+                while not admission.done():
+                    await asyncio.wait([admission], timeout=HEARTBEAT_SECONDS)
+                    if not admission.done():
+                        yield self._heartbeat()
+                live = admission.result()
+            finally:
+                if live is None:  # refused, or the client left: give back what was opened
+                    admission.add_done_callback(self._abandon)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except SpanwarmError as exc:
-            logger.info("refused a request from job %r rank %d: %s", request.job, request.rank, exc)
-            self.node.metrics.errors.labels(exc.grpc_code).inc()
-            await context.abort(grpc.StatusCode[exc.grpc_code], str(exc))
-        self.node.register(live)
-        _log_decisions(live, self.node.plan_of(live), self.config.seek_cost)
+        except Exception as exc:
+            if isinstance(exc, SpanwarmError):
+                logger.info("refused a request: %s", exc)
+            await self._refuse(context, exc)
+            return
         self.streams += 1
         self.idle.clear()
         try:
-            yield warmer_pb2.WarmEvent(
-                plan=warmer_pb2.Plan(
-                    request_id=live.id,
-                    request_bytes=live.nbytes,
-                    seek_cost_bytes=self.config.seek_cost,
-                    files=[_file_plan(p.to_json()) for p in self.node.plan_of(live)],
-                )
-            )
-            while True:
-                async for message in _drain(live):
-                    yield message
-                    if message.HasField("done"):
-                        # Everything is warm; the stream stays open while the rank holds
-                        # warmed bytes it has not reported read (they count against the
-                        # budget, and --hold keeps them mapped), or until shutdown.
-                        await _first(live.unheld.wait(), self.stopping.wait())
-                        return
+            async for message in self._serve(live):
+                yield message
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await self._refuse(context, exc)
         finally:
             self.node.release(live)
             self.streams -= 1
             if not self.streams:
                 self.idle.set()
+            if live.nbytes and len(live.cells) > 100_000:
+                self.node.admission_pool.submit(_trim_heap)  # off the loop: it can take a while
+
+    async def _serve(self, live: Request) -> AsyncIterator[Any]:
+        """Register the request, send its plan, then its events until it is done and the
+        rank has reported what it holds (or the daemon stops)."""
+        registration = asyncio.ensure_future(self.node.register(live))
+        try:
+            while not registration.done():
+                await asyncio.wait([registration], timeout=HEARTBEAT_SECONDS)
+                if not registration.done():
+                    yield self._heartbeat()
+            registration.result()
+        finally:
+            registration.cancel()
+        plans = self.node.plan_of(live)
+        _log_decisions(live, plans, self.config.seek_cost)
+        yield warmer_pb2.WarmEvent(
+            plan=_message(
+                warmer_pb2.Plan,
+                {
+                    "request_id": live.id,
+                    "request_bytes": live.nbytes,
+                    "seek_cost_bytes": self.config.seek_cost,
+                    "files": [_file_plan(p.to_json()) for p in plans],
+                },
+            )
+        )
+        while True:
+            try:
+                first = await asyncio.wait_for(live.events.get(), HEARTBEAT_SECONDS)
+            except TimeoutError:
+                yield self._heartbeat()
+                continue
+            for message in _coalesce(live, first):
+                yield message
+                if message.HasField("done"):
+                    # Everything is warm; the stream stays open while the rank holds warmed
+                    # bytes it has not reported read (they count against the budget, and
+                    # --hold keeps them mapped), or until shutdown.
+                    await _first(live.unheld.wait(), self.stopping.wait())
+                    return
+
+    def _heartbeat(self) -> Any:
+        return warmer_pb2.WarmEvent(
+            heartbeat=_message(
+                warmer_pb2.Heartbeat,
+                {
+                    "bytes_done": self.node.bytes_read_total + self.node.bytes_verified_total,
+                    "in_flight": self.node.in_flight,
+                },
+            )
+        )
 
     def _abandon(self, admission: asyncio.Future[Request]) -> None:
         if not admission.cancelled() and admission.exception() is None:
@@ -98,21 +221,43 @@ class WarmerService(warmer_pb2_grpc.WarmerServicer):  # type: ignore[misc]
         _trim_heap()
         return live
 
-    async def Consumed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary(context, self._consumed, data, context)
+
+    async def _consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        request = _decode(warmer_pb2.ConsumedRequest, data)
         if not self.node.consumed(request.request_id, request.groups):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {request.request_id}")
         return warmer_pb2.ConsumedReply()
 
-    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Status(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary(context, self._status, data)
+
+    async def _status(self, data: bytes) -> Any:
+        _decode(warmer_pb2.StatusRequest, data)
         status = self.node.status()
-        return warmer_pb2.StatusReply(
-            version=__version__,
-            **{
+        return _message(
+            warmer_pb2.StatusReply,
+            {
                 **status,
-                "ranks": [warmer_pb2.RankStatus(**r) for r in status["ranks"]],
+                "version": __version__,
+                "ranks": [_message(warmer_pb2.RankStatus, r) for r in status["ranks"]],
                 "files": [_file_plan(f) for f in status["files"]],
             },
         )
+
+    async def _unary(
+        self,
+        context: grpc.aio.ServicerContext,
+        handler: Callable[..., Coroutine[Any, Any, Any]],
+        *args: Any,
+    ) -> Any:
+        try:
+            return await handler(*args)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await self._refuse(context, exc)
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
@@ -159,28 +304,31 @@ def _trim_heap() -> None:
         _malloc_trim(0)
 
 
-async def _drain(live: Request) -> AsyncIterator[Any]:
-    """Wait for the next event, then send it with every event already queued behind it:
-    ready groups coalesce into one message."""
-    events = [await live.events.get()]
+def _coalesce(live: Request, first: Event) -> list[Any]:
+    """The messages for ``first`` and every event already queued behind it: ready groups
+    coalesce into one message."""
+    events = [first]
     while not live.events.empty():
         events.append(live.events.get_nowait())
+    messages = []
     ready = [g for e in events if e.kind == "ready" for g in e.groups]
     if ready:
-        yield warmer_pb2.WarmEvent(ready=warmer_pb2.Ready(groups=ready))
-    for event in events:
-        if event.kind == "failed":
-            yield _failed(event)
-    for event in events:
-        if event.kind == "done":
-            yield warmer_pb2.WarmEvent(
+        messages.append(warmer_pb2.WarmEvent(ready=warmer_pb2.Ready(groups=ready)))
+    messages += [_failed(event) for event in events if event.kind == "failed"]
+    if any(event.kind == "done" for event in events):
+        messages.append(
+            warmer_pb2.WarmEvent(
                 done=warmer_pb2.Done(
                     ready=int((live.state == READY).sum()), failed=int((live.state == FAILED).sum())
                 )
             )
+        )
+    return messages
 
 
 def _failed(event: Event) -> Any:
     return warmer_pb2.WarmEvent(
-        failed=warmer_pb2.Failed(groups=list(event.groups), code=event.code, reason=event.reason)
+        failed=warmer_pb2.Failed(
+            groups=list(event.groups), code=event.code, reason=_details(event.reason)
+        )
     )

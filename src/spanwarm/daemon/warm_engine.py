@@ -19,12 +19,20 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped
 from spanwarm.residency import PAGE, residency_trusted, resident_bytes
 
-__all__ = ["WarmEngine", "WarmMethod", "default_method", "populate_supported"]
+__all__ = [
+    "BadRange",
+    "WarmEngine",
+    "WarmMethod",
+    "bad_pages",
+    "default_method",
+    "populate_supported",
+]
 
 # HINT: pieces hinted ahead of the one being confirmed, so the device has a queue.
 _HINTS_AHEAD = 4
@@ -35,6 +43,9 @@ _HINT_WAIT_S = 2.0
 _HINT_STALL_S = 0.05
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
+# Narrowing a failed range down: past this many failing page reads in one range, the
+# rest of it is taken as bad too (the storage is failing wholesale, not a bad sector).
+_MAX_FAILED_PAGES = 256
 
 
 class WarmMethod(enum.StrEnum):
@@ -242,3 +253,50 @@ class WarmEngine:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
+
+
+@dataclass(frozen=True, slots=True)
+class BadRange:
+    """Bytes ``[start, stop)`` the storage failed to read, and the errno it gave."""
+
+    start: int
+    stop: int
+    errno: int
+
+    @property
+    def cause(self) -> str:
+        return os.strerror(self.errno)
+
+
+def bad_pages(fd: int, start: int, stop: int) -> list[BadRange]:
+    """Find the pages of ``[start, stop)`` that fail to read, with ``pread``.
+
+    Called after a warm operation failed: good pages are read in large pieces (and so
+    end up in the page cache), a read that fails is retried page by page from where it
+    failed, so a 64 KiB bad range costs 16 failing reads and the rest of the range is
+    warmed. Adjacent bad pages with the same errno come back as one range; an empty list
+    means the failure did not repeat.
+    """
+    buf = memoryview(bytearray(min(stop - start, 1 << 20) or 1))
+    bad: list[BadRange] = []
+    failed = 0
+    off = start
+    while off < stop:
+        try:
+            got = os.preadv(fd, [buf[: min(len(buf), stop - off)]], off)
+        except OSError as exc:
+            page_end = min(stop, (off // PAGE + 1) * PAGE)
+            code = exc.errno or errno.EIO
+            failed += 1
+            if failed >= _MAX_FAILED_PAGES:
+                page_end = stop
+            if bad and bad[-1].stop == off and bad[-1].errno == code:
+                bad[-1] = BadRange(bad[-1].start, page_end, code)
+            else:
+                bad.append(BadRange(off, page_end, code))
+            off = page_end
+            continue
+        if got == 0:
+            raise _past_end(fd, off)
+        off += got
+    return bad

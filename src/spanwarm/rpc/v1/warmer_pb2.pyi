@@ -86,17 +86,27 @@ class Done(_message.Message):
     failed: int
     def __init__(self, ready: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ("bytes_done", "in_flight")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    in_flight: int
+    def __init__(self, bytes_done: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
 class WarmEvent(_message.Message):
-    __slots__ = ("plan", "ready", "failed", "done")
+    __slots__ = ("plan", "ready", "failed", "done", "heartbeat")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     ready: Ready
     failed: Failed
     done: Done
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class ConsumedRequest(_message.Message):
     __slots__ = ("request_id", "groups")

@@ -56,7 +56,10 @@ class WarmerServicer:
 
     def Warm(self, request, context):
         """Register this rank's spans and stream their readiness. The stream's lifetime is the
-        rank's interest: when the client goes away, its spans leave the node plan.
+        rank's interest: when the client goes away, its spans leave the node plan. A refusal
+        is a status code (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION,
+        OUT_OF_RANGE, RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL; docs/daemon.md) with a
+        message naming the file, the offset and the cause.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

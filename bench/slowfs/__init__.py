@@ -20,14 +20,38 @@ loop, so many are in flight at once. The mount uses ``kernel_cache``: cached pag
 close and reopen, as on a real mount, and ``posix_fadvise``/``mincore`` (hence
 :mod:`spanwarm.residency`) work on its files.
 
-Counters (bytes served, read requests, seeks; in total and per file, plus a histogram of
-request sizes and the most requests seen in flight) are served as JSON by the virtual file
-``.slowfs-stats`` at the mount root. It is opened ``direct_io`` so every read sees fresh
-numbers, and reading it is not counted.
+Faults and hangs, for tests of error handling and shutdown (both match read *requests*, as
+the kernel sends them, against a byte range of one file named relative to the mount root):
+
+- :class:`Fault`: a request that overlaps ``[start, start + length)`` fails with an errno
+  (EIO by default) at once, without paying the cost model or moving the stream. The kernel
+  caches none of a failed request's pages, so reading them again fails again; requests
+  that do not overlap the range succeed. Faults act on whole pages: the kernel reads
+  pages, never parts of them. It also batches pages (its readahead window) in one request,
+  but when such a request fails it retries the pages the reader needs one request each,
+  so a ``read`` that starts before the range returns the bytes up to the range's first
+  page (a short read), and a page-sized ``pread`` of any other page succeeds, before or
+  after the failure. ``POSIX_FADV_RANDOM`` on the reader's descriptor turns readahead off:
+  then each read sends just the pages it covers.
+- :class:`Hang`: a request that overlaps the range (by default the whole file) sleeps
+  ``seconds`` before it is served (then as usual: costs, and any fault). The sleep gives up
+  with EIO as soon as the server is told to stop (SIGTERM, or :func:`mount`'s unmount), so
+  a hung read never holds up unmounting for long.
+
+Counters (bytes served, read requests, seeks, failed and hung requests; in total and per
+file, plus a histogram of request sizes and the most requests seen in flight) are served as
+JSON by the virtual file ``.slowfs-stats`` at the mount root. It is opened ``direct_io`` so
+every read sees fresh numbers, and reading it is not counted. Bytes, requests and seeks
+count served requests only; ``faults`` counts requests failed by a Fault (one failing read
+may send two: the kernel retries a failed readahead request before it gives up), ``hangs``
+requests delayed by a Hang.
 
     with mount(src, mnt, "cross-region", latency_s=0.02) as fs:
         fs.path("model.safetensors").read_bytes()
         fs.stats()["bytes"]
+
+    with mount(src, mnt, faults=[Fault("model.safetensors", 8192, 4096)]) as fs:
+        os.pread(fd, 4096, 8192)  # OSError: [Errno 5] EIO; pages 0, 1 and 3 read fine
 
 The filesystem itself runs in a child process (``python -m bench.slowfs``), so that its
 threads and sleeps never compete with the benchmark's own interpreter.
@@ -36,11 +60,13 @@ threads and sleeps never compete with the benchmark's own interpreter.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import functools
 import json
 import os
+import posixpath
 import shutil
 import stat
 import subprocess
@@ -49,7 +75,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -58,6 +84,8 @@ __all__ = [
     "PRESETS",
     "STATS_NAME",
     "STREAM_TOLERANCE",
+    "Fault",
+    "Hang",
     "Preset",
     "SlowFS",
     "SlowFSOperations",
@@ -79,6 +107,7 @@ _MAX_THREADS = 128
 _MAX_READ = 1 << 20
 _MOUNT_TIMEOUT_S = 10.0
 _UNMOUNT_ATTEMPTS = 5
+_HANG_POLL_S = 0.05  # how often a hung read checks whether the server is stopping
 
 if TYPE_CHECKING:
     _Operations = object
@@ -129,11 +158,157 @@ def resolve_preset(preset: Preset | str, **overrides: float | None) -> Preset:
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
+def _check_name(name: str) -> None:
+    """A file's path as the server sees it: relative to the mount root, and normalized."""
+    outside = name in ("", ".", "..") or name.startswith(("/", "../"))
+    if outside or "\0" in name or posixpath.normpath(name) != name:
+        raise ValueError(f"name must be a normalized path inside the mount, got {name!r}")
+
+
+def _parse_errno(text: str) -> int:
+    """An errno given as a number (5) or a name (EIO)."""
+    if text.isdigit():
+        return int(text)
+    code = getattr(errno, text.upper(), None)
+    if not text.upper().startswith("E") or not isinstance(code, int):
+        raise ValueError(f"unknown errno {text!r}")
+    return code
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Read requests for ``name`` that overlap bytes ``[start, start + length)`` fail with
+    ``errno`` (see the module docstring).
+
+    ``name`` is relative to the mount root (``"sub/model.safetensors"``).
+    """
+
+    name: str
+    start: int
+    length: int
+    errno: int = errno.EIO
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if self.start < 0 or self.length <= 0:
+            raise ValueError(f"need start >= 0 and length > 0, got {self.start}, {self.length}")
+        if self.errno <= 0:
+            raise ValueError(f"errno must be > 0, got {self.errno}")
+
+    def overlaps(self, offset: int, size: int) -> bool:
+        """Whether a request for ``size`` bytes at ``offset`` touches the range."""
+        return offset < self.start + self.length and self.start < offset + size
+
+    def to_arg(self) -> str:
+        """The ``--fault`` value of ``python -m bench.slowfs`` (inverse of :meth:`parse`)."""
+        code = errno.errorcode.get(self.errno, str(self.errno))
+        return f"{self.name}:{self.start}:{self.length}:{code}"
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``NAME:START:LENGTH[:ERRNO]``; ERRNO is a number or a name such as ``ENODATA``.
+
+        Fields are taken from the right: a NAME containing ``:`` needs the ERRNO field.
+        """
+        colons = text.count(":")
+        if colons < 2:
+            raise ValueError(f"expected NAME:START:LENGTH[:ERRNO], got {text!r}")
+        if colons == 2:
+            name, start, length = text.split(":")
+            return cls(name, int(start), int(length))
+        name, start, length, code = text.rsplit(":", 3)
+        return cls(name, int(start), int(length), _parse_errno(code))
+
+
+@dataclass(frozen=True)
+class Hang:
+    """Read requests for ``name`` that overlap bytes ``[start, start + length)`` (to the end
+    of the file when ``length`` is None) sleep ``seconds`` before they are served.
+
+    ``name`` is relative to the mount root. A request that matches several hangs sleeps
+    for the longest.
+    """
+
+    name: str
+    seconds: float
+    start: int = 0
+    length: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if not self.seconds >= 0:
+            raise ValueError(f"seconds must be >= 0, got {self.seconds}")
+        if self.start < 0 or (self.length is not None and self.length <= 0):
+            raise ValueError(f"need start >= 0 and length > 0, got {self.start}, {self.length}")
+
+    def overlaps(self, offset: int, size: int) -> bool:
+        """Whether a request for ``size`` bytes at ``offset`` touches the range."""
+        ends_after_start = offset + size > self.start
+        return ends_after_start and (self.length is None or offset < self.start + self.length)
+
+    def to_arg(self) -> str:
+        """The ``--hang`` value of ``python -m bench.slowfs`` (inverse of :meth:`parse`)."""
+        length = "end" if self.length is None else str(self.length)
+        return f"{self.name}:{self.seconds!r}:{self.start}:{length}"
+
+    @classmethod
+    def parse(cls, text: str) -> Hang:
+        """``NAME:SECONDS[:START:LENGTH]``; LENGTH ``end`` means to the end of the file.
+
+        Fields are taken from the right: a NAME containing ``:`` needs START and LENGTH.
+        """
+        colons = text.count(":")
+        if colons in (0, 2):
+            raise ValueError(f"expected NAME:SECONDS[:START:LENGTH], got {text!r}")
+        if colons == 1:
+            name, seconds = text.split(":")
+            return cls(name, float(seconds))
+        name, seconds, start, length = text.rsplit(":", 3)
+        end = length.lower() == "end"
+        return cls(name, float(seconds), int(start), None if end else int(length))
+
+
+@functools.cache
+def _stop_probe() -> Callable[[], bool]:
+    """A function that, called inside a FUSE request, tells whether the server is stopping.
+
+    libfuse handles SIGTERM itself (it flags the session as exited) and then waits for the
+    requests in progress, so a hung read must notice the flag to let the server exit.
+    """
+    try:
+        import mfusepy
+
+        lib = ctypes.CDLL(mfusepy._libfuse._name)  # own function objects: mfusepy's untouched
+        get_context = lib.fuse_get_context
+        get_session = lib.fuse_get_session
+        exited = lib.fuse_session_exited
+    except (ImportError, OSError, AttributeError):
+        return lambda: False
+    # struct fuse_context starts with its struct fuse pointer.
+    get_context.restype = ctypes.POINTER(ctypes.c_void_p)
+    get_context.argtypes = []
+    get_session.restype = ctypes.c_void_p
+    get_session.argtypes = [ctypes.c_void_p]
+    exited.restype = ctypes.c_int
+    exited.argtypes = [ctypes.c_void_p]
+
+    def stopping() -> bool:
+        context = get_context()
+        if not context or not context[0]:
+            return False  # not inside a request
+        session = get_session(context[0])
+        return bool(session) and bool(exited(session))
+
+    return stopping
+
+
 @dataclass(slots=True)
 class _Counts:
     bytes: int = 0
     requests: int = 0
     seeks: int = 0
+    faults: int = 0
+    hangs: int = 0
 
 
 @dataclass(slots=True)
@@ -154,9 +329,22 @@ class SlowFSOperations(_Operations):
 
     use_ns = True  # nanosecond timestamps (mfusepy warns otherwise)
 
-    def __init__(self, source: Path, preset: Preset) -> None:
+    def __init__(
+        self,
+        source: Path,
+        preset: Preset,
+        *,
+        faults: Iterable[Fault] = (),
+        hangs: Iterable[Hang] = (),
+    ) -> None:
         self._source = source.resolve()
         self._preset = preset
+        self._faults: dict[str, list[Fault]] = {}
+        for fault in faults:
+            self._faults.setdefault(fault.name, []).append(fault)
+        self._hangs: dict[str, list[Hang]] = {}
+        for hang in hangs:
+            self._hangs.setdefault(hang.name, []).append(hang)
         self._lock = threading.Lock()
         self._handles: dict[int, _Handle] = {}
         self._next_fh = 1
@@ -262,6 +450,18 @@ class SlowFSOperations(_Operations):
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
         try:
+            hang = max(
+                (h.seconds for h in self._hangs.get(handle.name, ()) if h.overlaps(offset, size)),
+                default=None,
+            )
+            if hang is not None:
+                self._count(handle, "hangs")
+                self._sleep_unless_stopping(hang)
+                arrival = time.monotonic()
+            for fault in self._faults.get(handle.name, ()):
+                if fault.overlaps(offset, size):
+                    self._count(handle, "faults")
+                    raise OSError(fault.errno, os.strerror(fault.errno))
             data = os.pread(handle.fd, size, offset)
             with self._lock:
                 done = self._charge(handle, offset, len(data), arrival)
@@ -272,6 +472,22 @@ class SlowFSOperations(_Operations):
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+    def _count(self, handle: _Handle, counter: str) -> None:
+        with self._lock:
+            per_file = self._files.setdefault(handle.name, _Counts())
+            for counts in (self._totals, per_file):
+                setattr(counts, counter, getattr(counts, counter) + 1)
+
+    @staticmethod
+    def _sleep_unless_stopping(seconds: float) -> None:
+        """Sleep, but fail the request with EIO as soon as the server is told to stop."""
+        stopping = _stop_probe()
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, _HANG_POLL_S))
+            if stopping():
+                raise OSError(errno.EIO, "slowfs is stopping")
 
     def _charge(self, handle: _Handle, offset: int, size: int, arrival: float) -> float:
         """Count a request and return when it completes under the cost model (lock held)."""
@@ -311,12 +527,20 @@ class SlowFSOperations(_Operations):
         return json.dumps(stats, indent=1).encode() + b"\n"
 
 
-def serve(source: Path, mountpoint: Path, preset: Preset, *, debug: bool = False) -> None:
+def serve(
+    source: Path,
+    mountpoint: Path,
+    preset: Preset,
+    *,
+    faults: Iterable[Fault] = (),
+    hangs: Iterable[Hang] = (),
+    debug: bool = False,
+) -> None:
     """Mount ``source`` at ``mountpoint`` and serve in the foreground until unmounted."""
     import mfusepy  # here, not at the top: only the server needs libfuse
 
     mfusepy.FUSE(
-        SlowFSOperations(source, preset),
+        SlowFSOperations(source, preset, faults=faults, hangs=hangs),
         str(mountpoint),
         raw_fi=True,
         foreground=True,
@@ -338,6 +562,8 @@ class SlowFS:
     mountpoint: Path
     preset: Preset
     pid: int
+    faults: tuple[Fault, ...] = ()
+    hangs: tuple[Hang, ...] = ()
 
     @property
     def read_ahead_kb(self) -> int:
@@ -360,6 +586,8 @@ def mount(
     mountpoint: Path,
     preset: Preset | str = "local",
     *,
+    faults: Iterable[Fault] = (),
+    hangs: Iterable[Hang] = (),
     read_ahead_kb: int | None = None,
     timeout_s: float = _MOUNT_TIMEOUT_S,
     **overrides: float | None,
@@ -367,12 +595,16 @@ def mount(
     """Mount ``source`` read-only at ``mountpoint`` (created if missing) in a child process.
 
     ``overrides`` set preset knobs (``latency_s``, ``stream_bytes_per_s``,
-    ``total_bytes_per_s``). ``read_ahead_kb`` replaces the kernel's readahead window for
-    the mount (128 KiB by default; root only), which bounds the size of read requests.
+    ``total_bytes_per_s``). ``faults`` and ``hangs`` make reads of some byte ranges fail
+    or hang (see :class:`Fault`, :class:`Hang`). ``read_ahead_kb`` replaces the kernel's
+    readahead window for the mount (128 KiB by default; root only), which bounds the size
+    of read requests.
     Yields once the mount is live; unmounts and reaps the child on exit, lazily if files
-    inside are still open.
+    inside are still open (a read hung then fails with EIO or ENOTCONN).
     """
     resolved = resolve_preset(preset, **overrides)
+    faults = tuple(faults)
+    hangs = tuple(hangs)
     mountpoint.mkdir(parents=True, exist_ok=True)
     if os.path.ismount(mountpoint):
         raise RuntimeError(f"{mountpoint} is already a mount point")
@@ -392,6 +624,8 @@ def mount(
         repr(resolved.stream_bytes_per_s),
         "--total-bw",
         repr(resolved.total_bytes_per_s),
+        *(f"--fault={fault.to_arg()}" for fault in faults),
+        *(f"--hang={hang.to_arg()}" for hang in hangs),
     ]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
@@ -401,7 +635,7 @@ def mount(
             _wait_mounted(proc, mountpoint, timeout_s, log)
             if read_ahead_kb is not None:
                 _bdi_file(mountpoint).write_text(f"{read_ahead_kb}\n")
-            yield SlowFS(source, mountpoint, resolved, proc.pid)
+            yield SlowFS(source, mountpoint, resolved, proc.pid, faults, hangs)
         finally:
             _unmount(mountpoint, proc)
 

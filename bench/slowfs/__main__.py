@@ -2,6 +2,14 @@
 
     python -m bench.slowfs SOURCE MOUNTPOINT --preset cross-region [--latency 0.02]
         [--stream-bw 268435456] [--total-bw none]
+        [--fault NAME:START:LENGTH[:ERRNO]]... [--hang NAME:SECONDS[:START:LENGTH]]...
+
+``--fault model.bin:8192:4096`` fails (EIO; or ERRNO, a number or a name such as ENODATA)
+the read requests for model.bin, relative to SOURCE, that overlap its bytes [8192, 12288).
+``--hang model.bin:30`` makes each read request for model.bin sleep 30 s before it is
+served; ``--hang model.bin:30:0:4096`` only those overlapping its first 4096 bytes (LENGTH
+``end``: to the end of the file). Both may be repeated. A NAME that contains ``:`` needs
+every field.
 
 Unmount with ``fusermount3 -u MOUNTPOINT`` (or Ctrl-C).
 """
@@ -12,7 +20,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from bench.slowfs import PRESETS, resolve_preset, serve
+from bench.slowfs import PRESETS, Fault, Hang, resolve_preset, serve
 
 _KNOBS = ("latency_s", "stream_bytes_per_s", "total_bytes_per_s")
 
@@ -24,8 +32,26 @@ def _bandwidth(text: str) -> float | None:
     return float(text)
 
 
+def _fault(text: str) -> Fault:
+    try:
+        return Fault.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _hang(text: str) -> Hang:
+    try:
+        return Hang.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.slowfs", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.slowfs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("source", type=Path, help="directory to serve")
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="local")
@@ -52,6 +78,24 @@ def main(argv: list[str] | None = None) -> None:
         default=suppress,
         help="bytes/s for the whole mount, or none",
     )
+    parser.add_argument(
+        "--fault",
+        dest="faults",
+        type=_fault,
+        action="append",
+        default=[],
+        metavar="NAME:START:LENGTH[:ERRNO]",
+        help="fail reads of NAME overlapping [START, START+LENGTH) (repeatable)",
+    )
+    parser.add_argument(
+        "--hang",
+        dest="hangs",
+        type=_hang,
+        action="append",
+        default=[],
+        metavar="NAME:SECONDS[:START:LENGTH]",
+        help="delay each read of NAME (overlapping the range) by SECONDS (repeatable)",
+    )
     parser.add_argument("--name", help="label of the resulting preset in the stats")
     parser.add_argument("--debug", action="store_true", help="libfuse's request trace")
     args = vars(parser.parse_args(argv))
@@ -59,7 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     preset = resolve_preset(args["preset"], **overrides)
     if args["name"]:
         preset = dataclasses.replace(preset, name=args["name"])
-    serve(args["source"], args["mountpoint"], preset, debug=args["debug"])
+    serve(
+        args["source"],
+        args["mountpoint"],
+        preset,
+        faults=args["faults"],
+        hangs=args["hangs"],
+        debug=args["debug"],
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from spanwarm import __version__
 from spanwarm.cli import calibrate, plan, residency, serve, status, warm
 
 __all__ = ["main"]
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spanwarm",
         description="Warm exactly the checkpoint bytes each rank of a distributed job will read.",
     )
+    parser.add_argument("--version", action="version", version=f"spanwarm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in (serve, status, warm, plan, residency, calibrate):
         command.add_parser(commands)

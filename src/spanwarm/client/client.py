@@ -5,6 +5,11 @@ daemon's stream and marks tensors ready as their bytes are warm. spanwarm must n
 fail or stall a job: if the daemon is absent, dies, or answers with an error, one
 warning is logged and every tensor not yet ready is released (the loader then reads
 cold, as it would without spanwarm). ``SPANWARM_DISABLE=1`` makes every request a no-op.
+
+A daemon that is there but stuck must not stall the job either. The channel sends
+keepalive pings (a frozen or partitioned daemon fails them within about 15 s), and a
+watchdog releases the ticket when ``stall_timeout`` (30 s) passes with no progress: no
+event for this request's tensors and no movement in the node's heartbeats.
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ __all__ = ["Client", "Progress", "Ticket", "message_dict"]
 logger = logging.getLogger("spanwarm.client")
 
 _PENDING, _READY, _FAILED, _RELEASED = 0, 1, 2, 3
-_MAX_MESSAGE = 512 * 2**20
+_MAX_MESSAGE = 128 * 2**20
+# Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
+# SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,9 @@ class Ticket:
         self.failures: dict[str, str] = {}
         """Tensor -> why the daemon could not warm it."""
         self.finished = threading.Event()
+        self._progress_at = time.monotonic()  # the last event that showed progress
+        self._stalled = False  # released by the watchdog
+        self._bytes_done = -1  # the node's counter in the last heartbeat
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -121,10 +139,34 @@ class Ticket:
             self._call.cancel()
         self._release()
 
+    def _release_stalled(self) -> int:
+        """The watchdog gave up on the daemon: cancel the stream, release what is pending."""
+        self._stalled = True
+        if self._call is not None:
+            self._call.cancel()
+        return self._release()
+
     # -- updated by the stream thread --------------------------------------------------
+
+    def _progressed(self) -> None:
+        with self._cond:
+            self._progress_at = time.monotonic()
+
+    def _heartbeat(self, bytes_done: int) -> None:
+        """A heartbeat is progress when the node got somewhere since the last one."""
+        with self._cond:
+            if bytes_done != self._bytes_done:
+                self._bytes_done = bytes_done
+                self._progress_at = time.monotonic()
+
+    def _stalled_for(self) -> float:
+        """Seconds since the last progress while tensors are pending (0 when none are)."""
+        with self._cond:
+            return time.monotonic() - self._progress_at if self._pending else 0.0
 
     def _mark(self, groups: Iterable[int], state: int, reason: str = "") -> None:
         with self._cond:
+            self._progress_at = time.monotonic()
             for i in groups:
                 if 0 <= i < len(self._state) and self._state[i] == _PENDING:
                     self._state[i] = state
@@ -165,11 +207,20 @@ class Client:
     """A connection to the node's daemon (lazily opened; safe to share across threads)."""
 
     def __init__(
-        self, socket: str | None = None, timeout: float = 10.0, *, stream_timeout: float = 6 * 3600
+        self,
+        socket: str | None = None,
+        timeout: float = 10.0,
+        *,
+        stream_timeout: float = 6 * 3600,
+        stall_timeout: float = 30.0,
     ) -> None:
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout: must be > 0 seconds, got {stall_timeout!r}")
         self.socket = socket or default_socket_path()
         self.timeout = timeout
         self.stream_timeout = stream_timeout
+        self.stall_timeout = stall_timeout
+        """Release a ticket whose daemon shows no progress for this long (seconds)."""
         self.disabled = os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()
@@ -180,11 +231,7 @@ class Client:
         with self._lock:
             if self._channel is None:
                 self._channel = grpc.insecure_channel(
-                    f"unix:{self.socket}",
-                    options=[
-                        ("grpc.max_send_message_length", _MAX_MESSAGE),
-                        ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                    ],
+                    f"unix:{self.socket}", options=_CHANNEL_OPTIONS
                 )
             return warmer_pb2_grpc.WarmerStub(self._channel)
 
@@ -267,7 +314,28 @@ class Client:
             target=self._consume, args=(ticket, request), name="spanwarm-ticket", daemon=True
         )
         thread.start()
+        watchdog = threading.Thread(
+            target=self._watch, args=(ticket,), name="spanwarm-watchdog", daemon=True
+        )
+        watchdog.start()
         return ticket
+
+    def _watch(self, ticket: Ticket) -> None:
+        """Release the ticket when the daemon makes no progress for ``stall_timeout``."""
+        while not ticket.finished.wait(min(1.0, self.stall_timeout / 4)):
+            stalled = ticket._stalled_for()
+            if stalled < self.stall_timeout:
+                continue
+            released = ticket._release_stalled()
+            if released:
+                logger.warning(
+                    "spanwarm: daemon at %s made no progress for %.0f s; %d tensors load "
+                    "without prefetch",
+                    self.socket,
+                    stalled,
+                    released,
+                )
+            return
 
     def _consume(self, ticket: Ticket, request: Any) -> None:
         try:
@@ -275,7 +343,10 @@ class Client:
             ticket._call = call
             for event in call:
                 kind = event.WhichOneof("event")
-                if kind == "plan":
+                if kind == "heartbeat":
+                    ticket._heartbeat(event.heartbeat.bytes_done)
+                elif kind == "plan":
+                    ticket._progressed()
                     ticket.plan = [message_dict(f) for f in event.plan.files]
                     self._attach(ticket, event.plan.request_id)
                 elif kind == "ready":
@@ -287,7 +358,7 @@ class Client:
                 # After "done" the daemon keeps the stream open until this rank has
                 # reported (Ticket.consumed) what it holds; the loop ends with the stream.
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
+            if exc.code() != grpc.StatusCode.CANCELLED and not ticket._stalled:
                 logger.warning(
                     "spanwarm: daemon at %s: %s: %s; the rest loads without prefetch",
                     self.socket,

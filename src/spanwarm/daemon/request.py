@@ -211,6 +211,10 @@ class Request:
         return self._group_flat[self._group_ptr[row] : self._group_ptr[row + 1]]
 
     @property
+    def spans(self) -> int:
+        return sum(len(t) for t in self.files.values())
+
+    @property
     def nbytes(self) -> int:
         return int(self.group_bytes.sum())
 

@@ -157,7 +157,7 @@ class WarmerService:
             self.streams -= 1
             if not self.streams:
                 self.idle.set()
-            if live.nbytes and len(live.cells) > 100_000:
+            if not self.streams or live.spans > 10_000:  # idle, or a large request gone
                 self.node.admission_pool.submit(_trim_heap)  # off the loop: it can take a while
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:

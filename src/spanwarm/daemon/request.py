@@ -170,16 +170,22 @@ class Request:
         self.pending: set[CellKey] = set(self.cells)
 
     def consume(self, groups: Iterable[int]) -> list[CellKey]:
-        """Mark groups read; return the cells in which nothing of this request is left unread."""
-        done: list[CellKey] = []
-        for group in groups:
-            if not 0 <= group < len(self.groups) or self.consumed[group]:
-                continue
-            self.consumed[group] = True
-            rows = self._rows_by_group[self._rows_ptr[group] : self._rows_ptr[group + 1]]
-            self._unread[rows] -= 1
-            done.extend(self.cells[int(row)] for row in rows[self._unread[rows] == 0])
-        return done
+        """Mark groups read; return the cells in which nothing of this request is left
+        unread. Vectorised: a report of a million groups costs milliseconds, not seconds
+        of the event loop (indices outside the request and repeats are ignored)."""
+        wanted = np.fromiter(groups, dtype=np.int64)
+        wanted = np.unique(wanted[(wanted >= 0) & (wanted < len(self.groups))])
+        wanted = wanted[~self.consumed[wanted]]
+        if not wanted.size:
+            return []
+        self.consumed[wanted] = True
+        starts, stops = self._rows_ptr[wanted], self._rows_ptr[wanted + 1]
+        per = stops - starts
+        at = np.repeat(starts - (np.cumsum(per) - per), per) + np.arange(int(per.sum()))
+        rows = self._rows_by_group[at]
+        np.subtract.at(self._unread, rows, 1)
+        touched = np.unique(rows)
+        return [self.cells[int(row)] for row in touched[self._unread[touched] == 0]]
 
     def groups_touching(self, file: OpenFile, start: int, stop: int) -> npt.NDArray[np.int64]:
         """The groups with a byte in ``[start, stop)`` of ``file`` (exact, row by row)."""

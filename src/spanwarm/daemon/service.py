@@ -217,8 +217,15 @@ class WarmerService:
                 self.node.files.release(file)
 
     def _admit(self, request: Any) -> Request:
-        live = Request(admit(request, self.node.files, self.config), self.node.chunk)
-        _trim_heap()
+        admitted = admit(request, self.node.files, self.config)
+        try:
+            live = Request(admitted, self.node.chunk)
+        except BaseException:  # MemoryError, a bug: the files go back all the same
+            for file in admitted.files:
+                self.node.files.release(file)
+            raise
+        finally:
+            _trim_heap()
         return live
 
     async def Consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:

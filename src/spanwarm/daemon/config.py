@@ -108,11 +108,11 @@ class DaemonConfig:
         100_000, flag="--max-files", kind="int", help="most files one Warm request may name"
     )
     max_cells: int = _setting(
-        262_144,
+        131_072,
         flag="--max-cells",
         kind="int",
         help="most distinct chunk-size cells one Warm request may touch (what the daemon keeps "
-        "per request; 2 TiB of a file at 8 MiB cells)",
+        "per request; 1 TiB at 8 MiB cells)",
     )
     max_span_cells: int = _setting(
         2_000_000,

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from spanwarm.costmodel import FilePlan, plan_file
 from spanwarm.daemon.admission import FileTable, OpenFile
@@ -71,10 +72,44 @@ logger = logging.getLogger("spanwarm.daemon")
 
 @dataclass(slots=True)
 class Cell:
+    """One cell's warm history and waiters. A daemon may hold a few hundred thousand: a
+    waiter list (rarely more than the node's ranks) and no list until a read fails."""
+
     warm: list[tuple[int, int, float]] = field(default_factory=list)  # (start, stop, completed)
     in_flight: bool = False
-    waiters: set[Request] = field(default_factory=set)
-    bad: list[tuple[int, int, float]] = field(default_factory=list)  # failed reads: (.., when)
+    waiters: list[Request] = field(default_factory=list)
+    bad: tuple[tuple[int, int, float], ...] = ()  # failed reads: (start, stop, when)
+
+    def wait(self, request: Request) -> None:
+        if request not in self.waiters:
+            self.waiters.append(request)
+
+    def unwait(self, request: Request) -> None:
+        if request in self.waiters:
+            self.waiters.remove(request)
+
+
+class _CellQueue:
+    """A file's background cells (what the plan reads, in file order) as one array and a
+    cursor: a tuple per cell of a whole 1.5 TB file would cost 20 MB per replan."""
+
+    def __init__(self, file: OpenFile, cells: npt.NDArray[np.int64]) -> None:
+        self.file = file
+        self.cells = cells
+        self.at = 0
+        self.back: list[CellKey] = []  # pushed back by appendleft
+
+    def __len__(self) -> int:
+        return len(self.cells) - self.at + len(self.back)
+
+    def popleft(self) -> CellKey:
+        if self.back:
+            return self.back.pop()
+        self.at += 1
+        return self.file, int(self.cells[self.at - 1])
+
+    def appendleft(self, key: CellKey) -> None:
+        self.back.append(key)
 
 
 @dataclass(slots=True)
@@ -87,14 +122,14 @@ class _Outcome:
     bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
 
 
-def _since(ranges: list[tuple[int, int, float]], when: float) -> list[Range]:
+def _since(ranges: Iterable[tuple[int, int, float]], when: float) -> list[Range]:
     """The ranges recorded at or after ``when``, as one sorted, disjoint list."""
     return _union((a, b) for a, b, t in ranges if t >= when)
 
 
 def _plan_files(
     jobs: list[tuple[OpenFile, list[SpanTable]]], seek_cost: int, chunk: int
-) -> list[tuple[OpenFile, FilePlan, collections.deque[CellKey]]]:
+) -> list[tuple[OpenFile, FilePlan, _CellQueue]]:
     """Runs in the planning worker: each file's plan over its users' spans, and every
     cell the plan reads (the background queue; cells some request waits on are skipped
     when they come up)."""
@@ -105,7 +140,7 @@ def _plan_files(
         counts = last - first + 1
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         cells = np.unique(np.repeat(first, counts) + offsets)
-        out.append((file, plan, collections.deque((file, c) for c in cells.tolist())))
+        out.append((file, plan, _CellQueue(file, cells)))
     return out
 
 
@@ -194,7 +229,7 @@ class Node:
         self._plans: dict[OpenFile, FilePlan] = {}
         self._users: dict[OpenFile, set[Request]] = {}
         self._cells: dict[CellKey, Cell] = {}
-        self._background: dict[OpenFile, collections.deque[CellKey]] = {}
+        self._background: dict[OpenFile, _CellQueue] = {}
         self._turn = 0
         self._in_flight = 0
         self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
@@ -337,7 +372,7 @@ class Node:
             cell = self._cells.get(key)
             if cell is None:
                 cell = self._cells[key] = Cell()
-            cell.waiters.add(request)
+            cell.wait(request)
         request.active = True
         needed_after = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         self.metrics.add(self.metrics.requested, request.nbytes)
@@ -361,7 +396,7 @@ class Node:
         for key in request.cells:
             cell = self._cells.get(key)
             if cell is not None:
-                cell.waiters.discard(request)
+                cell.unwait(request)
             self._unhold(key, request)
         for file in request.files:
             users = self._users.get(file)
@@ -457,7 +492,7 @@ class Node:
             cell = self._cells[key] = Cell()
         waiters = [r for r in cell.waiters if key in r.pending]
         if not waiters:  # background: whatever of the plan was never warmed (or failed)
-            done = _union([*((a, b) for a, b, _ in cell.warm), *((a, b) for a, b, _ in cell.bad)])
+            done = _union((a, b) for a, b, _ in (*cell.warm, *cell.bad))
             return _subtract(self._planned(key, 0, 2**62), done)
         hulls = [r.hull(key) for r in waiters]
         lo = min(h[0] for h in hulls)
@@ -484,7 +519,7 @@ class Node:
             if starting and who not in starting:
                 continue
             queue = self._background_queue() if who is None else who.queue
-            while queue:
+            while queue is not None and queue:
                 key = queue.popleft()
                 cell = self._cells.get(key)
                 if who is not None and key not in who.pending:
@@ -509,16 +544,16 @@ class Node:
                 return key, ranges
         return None
 
-    def _background_queue(self) -> collections.deque[CellKey]:
-        """The first file's queue of cells only the plan needs (empty when there are none,
+    def _background_queue(self) -> _CellQueue | None:
+        """The first file's queue of cells only the plan needs (None when there are none,
         or when the plan exceeds the budget: then only what ranks need is warmed)."""
         if sum(p.warm_bytes for p in self._plans.values()) > self.budget:
-            return collections.deque()
+            return None
         for file, queue in list(self._background.items()):
             if queue:
                 return queue
             del self._background[file]
-        return collections.deque()
+        return None
 
     # -- warming ---------------------------------------------------------------------------
 
@@ -568,7 +603,7 @@ class Node:
             self._recent.append((done, outcome.read + outcome.verified))
             if outcome.bad:
                 self._fail_ranges(key, outcome.bad)
-                warmed_cell.bad.extend((b.start, b.stop, done) for b in outcome.bad)
+                warmed_cell.bad += tuple((b.start, b.stop, done) for b in outcome.bad)
             self._settle(key)
         finally:
             self._in_flight -= 1
@@ -618,7 +653,7 @@ class Node:
                 _requeue(request, key)  # the read did not cover it: go again, first
                 continue
             request.pending.discard(key)
-            cell.waiters.discard(request)
+            cell.unwait(request)
             if not request.consumed[request.cell_groups(key)].all():
                 self._hold(key, request)
             groups = request.cell_groups(key)
@@ -676,7 +711,7 @@ class Node:
                 self._fail(request, key, code, reason)
                 cell = self._cells.get(key)
                 if cell is not None:
-                    cell.waiters.discard(request)
+                    cell.unwait(request)
         self._plans.pop(file, None)
 
     def _fail(self, request: Request, key: CellKey, code: str, reason: str) -> None:

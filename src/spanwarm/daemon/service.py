@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -158,7 +159,10 @@ class WarmerService:
             if not self.streams:
                 self.idle.set()
             if not self.streams or live.spans > 10_000:  # idle, or a large request gone
-                self.node.admission_pool.submit(_trim_heap)  # off the loop: it can take a while
+                # Once this frame has let go of the request; off the loop: it takes a while.
+                asyncio.get_running_loop().call_later(
+                    0.5, self.node.admission_pool.submit, _trim_heap
+                )
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:
         """Register the request, send its plan, then its events until it is done and the
@@ -305,8 +309,10 @@ def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None
 
 
 def _trim_heap() -> None:
-    """Give the temporaries of a large request back to the system: glibc keeps freed
-    heap memory otherwise, and a 1M-span request would leave ~200 MB of RSS behind."""
+    """Give the memory of a large request back to the system: glibc keeps freed heap
+    memory otherwise (a 1M-span request would leave ~200 MB of RSS behind), and a cycle
+    waits for the collector. Runs in a worker thread."""
+    gc.collect()
     if _malloc_trim is not None:
         _malloc_trim(0)
 

@@ -556,3 +556,33 @@ def test_files_are_closed_when_requests_end_even_when_named_twice(tmp_path: Path
         assert ticket.finished.wait(10)  # the stream ended: the request is gone
         wait_for(lambda: open_fds(daemon.process.pid) == 0)
         client.close()
+
+
+def test_many_ranks_with_overlapping_spans_arriving_together_all_get_ready(
+    tmp_path: Path,
+) -> None:
+    # Ranks join while other ranks' reads of the cells they share are in flight, so cells
+    # are re-queued in front of their first tensors; a rank once stalled there for good
+    # (every rank, 16 of 16, waited until its hold expired).
+    import numpy as np
+
+    paths = [cold_file(tmp_path / f"f{i}", 64 * MiB, seed=i) for i in range(4)]
+
+    def rank_spans(rank: int) -> list[TensorSpans]:
+        rng = np.random.default_rng(rank)
+        out = []
+        for i in range(2000):
+            length = int(rng.integers(1, 17)) * 4096
+            offset = int(rng.integers(0, (64 * MiB - length) // 4096)) * 4096
+            path = paths[int(rng.integers(4))]
+            out.append(TensorSpans(f"t{i // 10}", str(path), offset, length, length, 1))
+        return out
+
+    with running_daemon("--method", "read") as daemon:
+        client = Client(daemon.socket, stall_timeout=120)
+        tickets = [client.request(rank_spans(rank), rank=rank) for rank in range(16)]
+        assert all(ticket.wait(timeout=60) for ticket in tickets)
+        for ticket in tickets:
+            ticket.cancel()
+        client.close()
+    assert [t.progress.ready for t in tickets] == [200] * 16

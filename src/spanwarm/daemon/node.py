@@ -519,6 +519,7 @@ class Node:
             if starting and who not in starting:
                 continue
             queue = self._background_queue() if who is None else who.queue
+            tried: set[CellKey] = set()
             while queue is not None and queue:
                 key = queue.popleft()
                 cell = self._cells.get(key)
@@ -532,9 +533,17 @@ class Node:
                     (over_budget and not who.may_exceed_budget(key))
                     or (who in starting and not who.serves_group(key, 0))
                 )
-                if held_back:
+                if held_back and who is not None:
+                    # The head may not go, but the rank's first pending tensor may: its
+                    # cells can sit anywhere in the queue (one re-queued in front of
+                    # them, another request's read in flight when it joined), and waiting
+                    # for them to surface at the head would stall the rank for good.
                     queue.appendleft(key)
-                    break
+                    first = self._first_tensor_cell(who, over_budget)
+                    if first is None or first in tried:
+                        break
+                    tried.add(first)
+                    key = first
                 ranges = self._to_read(key)
                 if not ranges:
                     if who is not None:
@@ -542,6 +551,22 @@ class Node:
                     continue
                 self._turn = (self._turn + step + 1) % len(participants)
                 return key, ranges
+        return None
+
+    def _first_tensor_cell(self, request: Request, over_budget: bool) -> CellKey | None:
+        """A cell of the request's first tensor not ready yet that may be warmed now."""
+        pending = np.flatnonzero(request.state == PENDING)
+        if not pending.size:
+            return None
+        for key in request.group_cells(int(pending[0])):
+            cell = self._cells.get(key)
+            if key not in request.pending or key[0] not in self._plans:
+                continue
+            if (cell is not None and cell.in_flight) or (
+                over_budget and not request.may_exceed_budget(key)
+            ):
+                continue
+            return key
         return None
 
     def _background_queue(self) -> _CellQueue | None:

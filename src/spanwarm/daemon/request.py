@@ -194,6 +194,11 @@ class Request:
         hit = (first_row < t.count) & (t.offset + first_row * t.stride < stop)
         return np.unique(self.file_groups[file][hit])
 
+    def group_cells(self, group: int) -> list[CellKey]:
+        """The cells the group's spans touch, in file order."""
+        rows = self._rows_by_group[self._rows_ptr[group] : self._rows_ptr[group + 1]]
+        return [self.cells[int(row)] for row in rows]
+
     def serves_group(self, key: CellKey, group: int) -> bool:
         return bool((self.cell_groups(key) == group).any())
 

@@ -69,6 +69,8 @@ __all__ = ["Node"]
 
 logger = logging.getLogger("spanwarm.daemon")
 
+_PLAN_INLINE = 2_000  # spans a batch may have to be planned on the loop rather than a worker
+
 
 @dataclass(slots=True)
 class Cell:
@@ -443,10 +445,14 @@ class Node:
                 for f in dirty
                 if self._users.get(f) and not f.failed
             ]
+            spans = sum(len(t) for _, tables in jobs for t in tables)
             try:
-                planned = await loop.run_in_executor(
-                    self._plan_pool, _plan_files, jobs, self.config.seek_cost, self.chunk
-                )
+                if spans <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
+                    planned = _plan_files(jobs, self.config.seek_cost, self.chunk)
+                else:
+                    planned = await loop.run_in_executor(
+                        self._plan_pool, _plan_files, jobs, self.config.seek_cost, self.chunk
+                    )
             except Exception as exc:  # a bug: refuse the requests that waited, keep serving
                 logger.exception("planning failed")
                 for waiter in waiters:

@@ -41,6 +41,7 @@ logger = logging.getLogger("spanwarm.daemon")
 WARMER = warmer_pb2.DESCRIPTOR.services_by_name["Warmer"].full_name
 HEARTBEAT_SECONDS = 5.0  # a stream idle this long gets a heartbeat (clients watch for them)
 _MAX_DETAILS = 1000  # characters of a status message (it travels in a header)
+_LARGE = 10_000  # spans: a request this large has its memory given back when done
 
 _PLAN_FIELDS = tuple(warmer_pb2.FilePlan.DESCRIPTOR.fields_by_name)
 _LIMITS = {
@@ -90,6 +91,7 @@ class WarmerService:
         self.streams = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self._trim_pending = False
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The Warmer service's handlers: requests arrive as bytes, decoded by us."""
@@ -158,11 +160,19 @@ class WarmerService:
             self.streams -= 1
             if not self.streams:
                 self.idle.set()
-            if not self.streams or live.spans > 10_000:  # idle, or a large request gone
-                # Once this frame has let go of the request; off the loop: it takes a while.
-                asyncio.get_running_loop().call_later(
-                    0.5, self.node.admission_pool.submit, _trim_heap
-                )
+            if live.spans > _LARGE:
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """Collect and trim the heap once this request's frame has let go of it (one trim
+        pending at a time; off the loop: it takes tens of milliseconds)."""
+        if not self._trim_pending:
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(0.5, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_pending = False
+        self.node.admission_pool.submit(_trim_heap, collect=True)
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:
         """Register the request, send its plan, then its events until it is done and the
@@ -229,7 +239,8 @@ class WarmerService:
                 self.node.files.release(file)
             raise
         finally:
-            _trim_heap()
+            if admitted.spans and sum(len(t) for t in admitted.spans.values()) > _LARGE:
+                _trim_heap(collect=False)  # the decoding and validation temporaries
         return live
 
     async def Consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
@@ -308,11 +319,12 @@ def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None
     )
 
 
-def _trim_heap() -> None:
+def _trim_heap(*, collect: bool) -> None:
     """Give the memory of a large request back to the system: glibc keeps freed heap
     memory otherwise (a 1M-span request would leave ~200 MB of RSS behind), and a cycle
     waits for the collector. Runs in a worker thread."""
-    gc.collect()
+    if collect:
+        gc.collect()
     if _malloc_trim is not None:
         _malloc_trim(0)
 

@@ -237,8 +237,10 @@ class Node:
         self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
         # Admission stats and opens files (which may block on a mount) and indexes spans;
         # two at a time bounds the memory a burst of large requests takes at once.
-        self.admission_pool = DaemonThreadPool(2, "spanwarm-admit")
-        self._plan_pool = DaemonThreadPool(1, "spanwarm-plan")
+        # Both at a lower CPU priority than the event loop (niceness +10): on a busy node,
+        # answering Status and streaming readiness come before admitting more work.
+        self.admission_pool = DaemonThreadPool(2, "spanwarm-admit", nice=10)
+        self._plan_pool = DaemonThreadPool(1, "spanwarm-plan", nice=10)
         self._planner: asyncio.Task[None] | None = None
         self._plan_wake = asyncio.Event()
         self._dirty: set[OpenFile] = set()

@@ -26,7 +26,7 @@ from spanwarm.daemon.admission import admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.request import FAILED, READY, Event, Request
-from spanwarm.errors import InvalidRequestError, SpanwarmError
+from spanwarm.errors import CheckpointError, InvalidRequestError, SpanwarmError
 from spanwarm.rpc.v1 import warmer_pb2
 
 __all__ = ["HEARTBEAT_SECONDS", "WARMER", "WarmerService"]
@@ -41,6 +41,7 @@ logger = logging.getLogger("spanwarm.daemon")
 WARMER = warmer_pb2.DESCRIPTOR.services_by_name["Warmer"].full_name
 HEARTBEAT_SECONDS = 5.0  # a stream idle this long gets a heartbeat (clients watch for them)
 _MAX_DETAILS = 1000  # characters of a status message (it travels in a header)
+_PATH_SHOWN = 400  # characters of a path quoted in a refusal (its head and its tail)
 _LARGE = 10_000  # spans: a request this large has its memory given back when done
 
 _PLAN_FIELDS = tuple(warmer_pb2.FilePlan.DESCRIPTOR.fields_by_name)
@@ -72,7 +73,22 @@ def _file_plan(fields: dict[str, Any]) -> Any:
 
 
 def _details(text: str) -> str:
+    """A status message that fits the header it travels in: ASCII (gRPC percent-encodes
+    every other byte, tripling it: 1,000 emoji would be 12 KB, past a client's 8 KiB
+    metadata limit) and at most ``_MAX_DETAILS`` characters."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
     return text if len(text) <= _MAX_DETAILS else text[: _MAX_DETAILS - 3] + "..."
+
+
+def _describe(exc: SpanwarmError) -> str:
+    """The refusal's message; a caller's long path is shortened in the middle, so the
+    cause and the offset after it always fit in the message."""
+    if not isinstance(exc, CheckpointError) or len(exc.path) <= _PATH_SHOWN:
+        return str(exc)
+    half = _PATH_SHOWN // 2
+    path = f"{exc.path[:half]}...{exc.path[-half:]}"
+    where = f" (at offset {exc.offset})" if exc.offset is not None else ""
+    return f"{path}: {exc.cause}{where}"
 
 
 def _decode(cls: Any, data: bytes) -> Any:
@@ -113,7 +129,7 @@ class WarmerService:
     async def _refuse(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         """End the call with the status code ``exc`` maps to (INTERNAL if unexpected)."""
         if isinstance(exc, SpanwarmError):
-            code, text = exc.grpc_code, str(exc)
+            code, text = exc.grpc_code, _describe(exc)
         else:
             logger.error("unexpected error: %r", exc, exc_info=exc)
             code, text = "INTERNAL", f"internal error in the daemon: {exc!r}"
@@ -122,13 +138,13 @@ class WarmerService:
 
     async def Warm(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            request = _decode(warmer_pb2.WarmRequest, data)
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
             live = None
-            # stat/open may block on a network mount, and 1M spans take a while to index.
+            # Decoding 100k spans takes milliseconds, stat/open may block on a network
+            # mount, and 1M spans take a while to index: all of it off the loop.
             admission = asyncio.get_running_loop().run_in_executor(
-                self.node.admission_pool, self._admit, request
+                self.node.admission_pool, self._admit, data
             )
             try:
                 while not admission.done():
@@ -230,7 +246,8 @@ class WarmerService:
             for file in admission.result().acquired:
                 self.node.files.release(file)
 
-    def _admit(self, request: Any) -> Request:
+    def _admit(self, data: bytes) -> Request:
+        request = _decode(warmer_pb2.WarmRequest, data)
         admitted = admit(request, self.node.files, self.config)
         try:
             live = Request(admitted, self.node.chunk)

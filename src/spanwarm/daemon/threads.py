@@ -9,6 +9,8 @@ with a FUSE read hung 20 s per call). These threads are daemon threads, and
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -25,7 +27,8 @@ _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 class DaemonThreadPool(Executor):
     """``workers`` daemon threads taking tasks in submission order."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(self, workers: int, name: str, *, nice: int = 0) -> None:
+        self._nice = nice
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -45,6 +48,12 @@ class DaemonThreadPool(Executor):
         return future
 
     def _work(self) -> None:
+        if self._nice:  # Linux: a thread's own niceness, so the event loop gets the CPU first
+            with contextlib.suppress(OSError):
+                tid = threading.get_native_id()
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._nice
+                )
         while (item := self._queue.get()) is not None:
             future, fn, args, kwargs = item
             if not future.set_running_or_notify_cancel():

@@ -21,14 +21,23 @@ socket, a fresh one per scenario; shared files of random bytes in a temporary di
 
 For both, the daemon's RSS (VmRSS) and open descriptors (/proc/PID/fd) before (idle,
 after one Status call), at peak (sampled every 50 ms) and 2 s after the last stream
-ended. Progress goes to stderr. Exits 1 if a tensor failed or was released, a ready
-tensor was not resident, or the daemon's descriptors did not return to their count before.
+ended. Progress goes to stderr.
+
+Exits 1 if a tensor failed or was released, a ready tensor was not resident, or the
+daemon's descriptors did not return to their count before. Some machines evict idle page
+cache on their own (a DAMON ``pageout`` scheme, proactive reclaim): in A, a page monitor
+(mincore of the shared files every 100 ms) tells a tensor whose missing pages had all been
+seen resident before the rank's check (warm, then evicted by the machine: reported, not a
+failure unless ``--strict``) from one never seen resident before it (a failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -36,15 +45,19 @@ import sys
 import tempfile
 import threading
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import IO, Any
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from spanwarm.client import Client, TensorSpans
 from spanwarm.daemon.spawn import spawn_daemon
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.memory_map import mapped, mincore
+from spanwarm.residency import PAGE, evict, resident_bytes
 from spanwarm.units import format_bytes, parse_size
 
 HERE = Path(__file__).resolve().parent
@@ -142,6 +155,103 @@ class Footprint:
         ]
 
 
+# -- the shared files' page cache -------------------------------------------------------
+
+
+def _watch_pages(paths: list[str], conn: Connection, stop: EventType) -> None:
+    """The page monitor's process: sample until ``stop``, then send the findings."""
+    with contextlib.suppress(OSError):  # not starved by the ranks it watches (needs root)
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths]
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    first_seen = [np.full(-(-n // PAGE), np.inf) for n in sizes]
+    last = [np.zeros(-(-n // PAGE), dtype=bool) for n in sizes]
+    evicted = 0
+    samples: list[float] = []
+    while True:
+        for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
+            with mapped(fd, 0, size) as addr:
+                now = time.monotonic()
+                bits = (np.frombuffer(mincore(addr, size), dtype=np.uint8) & 1).astype(bool)
+            np.minimum(first_seen[i], np.where(bits, now, np.inf), out=first_seen[i])
+            evicted += int(np.count_nonzero(last[i] & ~bits))
+            last[i] = bits
+        samples.append(time.monotonic())
+        if len(samples) == 1:
+            conn.send("started")
+        if stop.wait(0.1):
+            break
+    for fd in fds:
+        os.close(fd)
+    conn.send((first_seen, samples, evicted))
+
+
+class PageMonitor:
+    """Every 100 ms, which pages of the shared files are resident (mincore, in a process
+    of its own at a higher priority): when each was first seen resident, and how many went
+    from resident to not (evicted by the machine: nothing in the daemon or the benchmark
+    drops pages once a scenario runs).
+
+    A tensor a rank found not resident whose missing pages had all been seen resident
+    before its check was evicted after it was warm; any other is unexplained."""
+
+    def __init__(self, paths: list[str]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe(duplex=False)
+        self._stop = context.Event()
+        self._process = context.Process(
+            target=_watch_pages, args=(paths, child, self._stop), daemon=True
+        )
+        self.first_seen: list[npt.NDArray[np.float64]] = []
+        self.samples: list[float] = []
+        self.evicted_pages = 0
+
+    def __enter__(self) -> PageMonitor:
+        self._process.start()
+        if not self._conn.poll(60) or self._conn.recv() != "started":
+            raise RuntimeError("the page monitor did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._conn.poll(60):
+            self.first_seen, self.samples, self.evicted_pages = self._conn.recv()
+        self._process.join(10)
+
+    def explain(self, pages: list[list[int]], checked_at: float) -> str:
+        """Of a tensor whose pages ([file, page]) were missing when a rank checked at
+        ``checked_at``: "evicted" when every one had been seen resident before (warm, then
+        evicted), "later" when one was first seen resident only after the check, "never"
+        when one was never seen resident."""
+        seen = [self.first_seen[f][p] for f, p in pages]
+        if seen and all(t <= checked_at for t in seen):
+            return "evicted"
+        return "never" if any(t == np.inf for t in seen) else "later"
+
+    def gap(self, start: float, end: float) -> float:
+        """The longest time between two samples in [start, end] (seconds)."""
+        times = [start, *(t for t in self.samples if start < t < end), end]
+        return max(b - a for a, b in itertools.pairwise(times))
+
+
+def proactive_reclaim() -> str | None:
+    """A line naming a DAMON scheme that pages out idle memory here, if one is running."""
+    root = Path("/sys/kernel/mm/damon/admin/kdamonds")
+    try:
+        for kdamond in root.glob("[0-9]*"):
+            if (kdamond / "state").read_text().strip() != "on":
+                continue
+            for action in kdamond.glob("contexts/*/schemes/*/action"):
+                if action.read_text().strip() == "pageout":
+                    return (
+                        f"this machine runs a DAMON `pageout` scheme ({action.parent}): "
+                        "idle page cache is evicted every few seconds without memory pressure"
+                    )
+    except OSError:
+        return None
+    return None
+
+
 # -- Status in a tight loop ------------------------------------------------------------
 
 
@@ -231,7 +341,10 @@ def scenario_a(args: argparse.Namespace, paths: list[str]) -> tuple[list[tuple[s
         evict(path)
     ranks_n, spans_n = args.ranks, args.spans
     log(f"A: {ranks_n} ranks x {spans_n:,} spans; starting the daemon")
-    with spawn_daemon("--log-level", "warning") as daemon:
+    with (
+        PageMonitor(paths) as pages,
+        spawn_daemon("--log-level", "warning") as daemon,
+    ):
         fp = Footprint(daemon.process.pid, daemon.socket)
         changed = threading.Condition()
         command = [
@@ -262,7 +375,7 @@ def scenario_a(args: argparse.Namespace, paths: list[str]) -> tuple[list[tuple[s
         codes = [r.process.wait() for r in ranks]
         if daemon.process.poll() is not None:
             log(f"A: the daemon exited with {daemon.process.returncode}")
-    return summarize_a(args, ranks, codes, stopped, go, poller, fp)
+    return summarize_a(args, ranks, codes, stopped, go, poller, fp, pages)
 
 
 def run_ranks(
@@ -344,6 +457,7 @@ def summarize_a(
     go: float,
     poller: StatusPoller,
     fp: Footprint,
+    pages: PageMonitor,
 ) -> tuple[list[tuple[str, str]], bool]:
     ranks_n, spans_n = args.ranks, args.spans
     results = [r.events.get("result") for r in ranks]
@@ -361,6 +475,18 @@ def summarize_a(
     tensors, ready = total("tensors"), total("ready")
     failed, released, timed_out = total("failed"), total("released"), total("timed_out")
     not_resident, checked = total("not_resident"), total("checked")
+    details = [d for res in got for d in res["not_resident_pages"]]
+    why = [pages.explain(d["pages"], d["t"]) for d in details]
+    evicted = why.count("evicted")
+    unexplained = not_resident - evicted  # includes any beyond the detail cap
+    if unexplained:
+        log(
+            f"A: of the {unexplained} not seen resident before the check: "
+            f"{why.count('later')} first seen resident only after it, {why.count('never')} "
+            f"never seen resident, {not_resident - len(details)} beyond the detail cap; the "
+            f"page monitor's longest gap between samples was "
+            f"{pages.gap(go, warmed):.2f} s"
+        )
     idle, idle_err = poller.between(0, go)
     admission, adm_err = poller.between(go, admitted)
     warming, warm_err = poller.between(admitted, warmed)
@@ -371,7 +497,14 @@ def summarize_a(
         ("bytes requested (all ranks)", format_bytes(total("bytes"))),
         ("tensors ready / total", f"{ready:,} / {tensors:,}"),
         ("tensors failed / released / timed out", f"{failed} / {released} / {timed_out}"),
-        ("ready but not resident (of checked)", f"{not_resident} (of {checked:,})"),
+        ("ready but not resident when checked (of checked)", f"{not_resident} (of {checked:,})"),
+        ("... evicted by the machine after being warm", str(evicted)),
+        ("... never seen resident before the check", str(unexplained)),
+        (
+            "shared-file pages the machine evicted during the run",
+            f"{pages.evicted_pages:,} ({format_bytes(pages.evicted_pages * PAGE)})",
+        ),
+        ("page monitor: longest gap between samples", f"{pages.gap(go, warmed):.2f} s"),
         ("wall: barrier to last stream ended", f"{max(ends, default=stopped) - go:.1f} s"),
         ("admission: barrier to last plan received", f"{admitted - go:.1f} s"),
         ("per rank, plan received (median / max)", _median_max(plan_s)),
@@ -393,14 +526,19 @@ def summarize_a(
         )
     if not_resident:
         later = total("not_resident_later")
-        problems.append(
+        message = (
             f"{not_resident} tensors ready but not resident when checked, in "
             f"{sum(1 for res in got if res['not_resident'])} ranks; {later} of them still "
-            "not resident once the rank had all its tensors"
+            f"not resident once the rank had all its tensors; {evicted} had been seen "
+            f"resident before the check (evicted), {unexplained} had not"
         )
         for res in got:
             if res["not_resident"]:
                 log(f"A: rank {res['rank']}: {res['not_resident']}: {res['not_resident_first']}")
+        if unexplained or args.strict:
+            problems.append(message)
+        else:
+            log(f"A: note: {message}")
     if fp.after[1] != fp.before[1]:
         problems.append(f"daemon fds {fp.before[1]} before, {fp.after[1]} after")
     if poller.errors:  # reported, not fatal: the latency figures show them
@@ -550,6 +688,12 @@ def main() -> None:
         default=300.0,
         help="give up on scenario A after this long with no sign of progress",
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on any ready tensor not resident, even one the machine evicted after it "
+        "was seen warm",
+    )
     parser.add_argument("--markdown", type=Path, help="write the section to this file")
     args = parser.parse_args()
     quick = (16, 2000, 200) if args.quick else (64, 10_000, 1000)
@@ -577,6 +721,14 @@ def main() -> None:
         "after another (request, all ready, consumed, stream ended). The daemon's RSS and "
         "descriptors: idle before, peak (every 50 ms), and 2 s after the last stream ended.\n",
     ]
+    reclaim = proactive_reclaim()
+    if reclaim:
+        lines.append(
+            f"Note: {reclaim}. A tensor found not resident whose missing pages had all been "
+            "seen resident (mincore of the shared files every 100 ms) before the rank's "
+            "check was warm and then evicted by the machine; only the others count as "
+            "failures (`--strict` counts all).\n"
+        )
     if rows_a:
         lines += [f"### A: {args.ranks} ranks x {args.spans:,} spans at once\n", *table(rows_a)]
     if rows_b:

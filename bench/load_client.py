@@ -11,8 +11,9 @@ own descriptors that their bytes are resident right then. Once all are ready (or
 it reports every tensor consumed, so the daemon ends the stream, and waits for the end.
 
 Prints JSON lines on stdout: ``{"event": "plan", "t": T}`` when the plan arrives, then one
-``{"event": "result", ...}``. Times are ``time.monotonic()``, which is system-wide on
-Linux, so comparable across processes.
+``{"event": "result", ...}`` (for tensors found not resident: when, and which pages).
+Times are ``time.monotonic()``, which is system-wide on Linux, so comparable across
+processes.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import resident_bytes
+from spanwarm.memory_map import mapped, mincore
+from spanwarm.residency import PAGE, resident_bytes
 
 KiB = 2**10
 SPANS_PER_TENSOR = 10
 SLOTS = 16  # candidate spans per tensor, shared by every rank
 WINDOW = 200  # pending tensors (in read order) looked at on each wake-up
+DETAIL_TENSORS, DETAIL_PAGES = 200, 256  # caps on the missing pages reported
 
 
 def rank_spans(paths: list[str], sizes: list[int], rank: int, spans: int) -> list[TensorSpans]:
@@ -61,6 +64,18 @@ def missing_bytes(pieces: list[tuple[int, int, int]]) -> int:
     return sum(length - resident_bytes(fd, offset, length) for fd, offset, length in pieces)
 
 
+def missing_pages(pieces: list[tuple[int, int, int]], index: dict[int, int]) -> list[list[int]]:
+    """[file index, page] of every page of these (fd, offset, length) pieces not resident
+    now (at most DETAIL_PAGES)."""
+    out: list[list[int]] = []
+    for fd, offset, length in pieces:
+        first, last = offset // PAGE, (offset + length - 1) // PAGE
+        with mapped(fd, first * PAGE, (last - first + 1) * PAGE) as addr:
+            bits = np.frombuffer(mincore(addr, (last - first + 1) * PAGE), dtype=np.uint8) & 1
+        out += [[index[fd], first + int(p)] for p in np.flatnonzero(bits == 0)]
+    return out[:DETAIL_PAGES]
+
+
 def emit(record: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()
@@ -83,6 +98,7 @@ def main() -> None:
     fds = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths}
     sizes = [os.fstat(fds[p]).st_size for p in paths]
     spans = rank_spans(paths, sizes, args.rank, args.spans)
+    index = {fds[p]: i for i, p in enumerate(paths)}
     pieces: dict[str, list[tuple[int, int, int]]] = {}
     for s in spans:
         pieces.setdefault(s.tensor, []).append((fds[s.path], s.offset, s.length))
@@ -97,6 +113,7 @@ def main() -> None:
     plan_t: float | None = None
     pending = names
     not_resident: list[tuple[str, float, int]] = []  # (tensor, seconds, bytes missing)
+    detail: list[dict[str, Any]] = []  # the pages missing, for bench_load to explain
     checked = 0
     while pending and time.monotonic() < deadline:
         ticket.wait(pending[:1], timeout=0.01 if plan_t is None else 0.05)
@@ -115,7 +132,11 @@ def main() -> None:
             checked += 1
             missing = missing_bytes(pieces[name])
             if missing:
-                not_resident.append((name, time.monotonic() - start, missing))
+                now = time.monotonic()
+                not_resident.append((name, now - start, missing))
+                if len(detail) < DETAIL_TENSORS:
+                    pages = missing_pages(pieces[name], index)
+                    detail.append({"tensor": name, "t": now, "pages": pages})
         done = set(ready_now)
         pending = [n for n in pending if n not in done]
     all_ready_t = time.monotonic() if not pending else None
@@ -149,6 +170,7 @@ def main() -> None:
                 )
             ],
             "not_resident_later": sum(1 for later in missing_later if later),
+            "not_resident_pages": detail,
             "first_failure": next(iter(ticket.failures.items()), None),
             "ended_early": ended_early,
             "stream_ended": ended,

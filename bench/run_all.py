@@ -80,6 +80,8 @@ def main() -> None:
         + (" --status-calls 100" if quick else "")
         + "\n```\n",
         "\n".join(f"- {line}" for line in run("bench_daemon.py", *daemon).splitlines()),
+        # "## Load: many ranks and many requests" (the script writes its own heading)
+        run("bench_load.py", *(["--quick"] if quick else []), markdown=True),
         "\n## Scale\n",
         run("bench_scale.py", *(["--quick"] if quick else [])),
     ]

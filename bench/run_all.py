@@ -82,6 +82,8 @@ def main() -> None:
         "\n".join(f"- {line}" for line in run("bench_daemon.py", *daemon).splitlines()),
         # "## Load: many ranks and many requests" (the script writes its own heading)
         run("bench_load.py", *(["--quick"] if quick else []), markdown=True),
+        "\n## What one request may cost: the work limits\n",
+        run("bench_limits.py", markdown=True),
         "\n## Scale\n",
         run("bench_scale.py", *(["--quick"] if quick else [])),
     ]

@@ -76,17 +76,24 @@ def _details(text: str) -> str:
     """A status message that fits the header it travels in: ASCII (gRPC percent-encodes
     every other byte, tripling it: 1,000 emoji would be 12 KB, past a client's 8 KiB
     metadata limit) and at most ``_MAX_DETAILS`` characters."""
-    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    text = _ascii(text)
     return text if len(text) <= _MAX_DETAILS else text[: _MAX_DETAILS - 3] + "..."
 
 
+def _ascii(text: str) -> str:
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
 def _describe(exc: SpanwarmError) -> str:
-    """The refusal's message; a caller's long path is shortened in the middle, so the
-    cause and the offset after it always fit in the message."""
-    if not isinstance(exc, CheckpointError) or len(exc.path) <= _PATH_SHOWN:
+    """The refusal's message; a caller's long path is shortened in the middle (after
+    escaping, which can make a character ten), so the cause and the offset after it
+    always fit in the message."""
+    if not isinstance(exc, CheckpointError):
         return str(exc)
-    half = _PATH_SHOWN // 2
-    path = f"{exc.path[:half]}...{exc.path[-half:]}"
+    path = _ascii(exc.path)
+    if len(path) > _PATH_SHOWN:
+        half = _PATH_SHOWN // 2
+        path = f"{path[:half]}...{path[-half:]}"
     where = f" (at offset {exc.offset})" if exc.offset is not None else ""
     return f"{path}: {exc.cause}{where}"
 

@@ -45,8 +45,8 @@ _MAX_SHOWN = 200  # characters of a caller's path quoted back in a message
 
 
 def _shown(path: str) -> str:
-    """A caller's path for a message: quoted, and cut short if it is huge."""
-    text = repr(path)
+    """A caller's path for a message: quoted, escaped to ASCII, cut short if it is huge."""
+    text = ascii(path)
     return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}...' ({len(path)} chars)"
 
 
@@ -57,6 +57,11 @@ def lookup_error(path: str, exc: OSError) -> SpanwarmError:
         return ShardMissingError(path, f"no such file: {cause}")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return PathNotAllowedError(path, f"cannot be read by the daemon: {cause}")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return RequestTooLargeError(
+            f"file {_shown(path)}: the daemon is out of file descriptors ({cause}); "
+            "fewer files per request (--max-files), or a higher LimitNOFILE"
+        )
     if exc.errno == errno.ENAMETOOLONG:
         return InvalidRequestError(f"file {_shown(path)}: {cause}")
     if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
@@ -139,7 +144,8 @@ class FileTable:
             os.path.commonpath([real, root]) == root for root in self._roots
         ):
             raise PathNotAllowedError(
-                path, f"resolves to {real}, outside the allowed roots {list(self._roots)}"
+                path,
+                f"resolves to {_shown(real)}, outside the allowed roots {list(self._roots)}",
             )
         try:
             st = os.stat(real)

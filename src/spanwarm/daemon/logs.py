@@ -26,12 +26,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, default=str)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+_CONTROL[ord("\t")] = "\\t"
+
+
+class TextFormatter(logging.Formatter):
+    """One line per record: control characters in the message (a caller's path or job
+    may hold a newline) are escaped, so a client cannot forge log lines. A traceback,
+    which the daemon itself writes, stays on its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(_CONTROL)
+
+
 def configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

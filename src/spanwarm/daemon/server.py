@@ -15,6 +15,7 @@ import contextlib
 import grp
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -163,6 +164,11 @@ def run(config: DaemonConfig) -> int:
     # event loop waits for it between every step of an RPC. A 1 ms switch interval (5 ms
     # by default) keeps Status fast while 64 ranks are admitted.
     sys.setswitchinterval(0.001)
+    # Every file a live request names stays open: take all the descriptors we may have.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         import uvloop
 

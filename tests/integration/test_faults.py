@@ -110,9 +110,7 @@ def test_sigterm_is_bounded_while_a_storage_read_hangs(hung: SlowFS) -> None:
     assert took < drain + 2 + 2, took
 
 
-def test_a_frozen_daemon_releases_the_job(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_frozen_daemon_releases_the_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = cold_file(tmp_path / "f", 32 * MiB)
     flags = ("--method", "read", "--throttle", "4MiB", "--chunk-size", "1MiB")
     with running_daemon(*flags) as daemon, caplog.at_level(logging.WARNING, "spanwarm.client"):

@@ -105,6 +105,7 @@ def test_sigterm_is_bounded_while_a_storage_read_hangs(hung: SlowFS) -> None:
         took = time.monotonic() - started
         assert ticket.wait(timeout=10)  # the stream ended: the rank reads cold
         client.close()
+    print(f"SIGTERM to exit with a read hung: {took:.2f} s (drain {drain} s)")
     assert code == 0
     # The bound is drain + 2 s; the slack is for this noisy VM's scheduling.
     assert took < drain + 2 + 2, took
@@ -128,8 +129,9 @@ def test_a_frozen_daemon_releases_the_job(tmp_path: Path, caplog: pytest.LogCapt
         finally:
             daemon.process.send_signal(signal.SIGCONT)
         client.close()
+    print(f"frozen daemon: Ticket.wait() returned after {took:.1f} s")
     assert released, "Ticket.wait() still blocked 45 s after the daemon froze"
-    assert took < 35, took
+    assert took < 30, took  # keepalive: about 15 s; the stall watchdog would take 30
     assert 1 <= ticket.progress.ready < 32
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings

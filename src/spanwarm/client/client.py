@@ -7,7 +7,7 @@ warning is logged and every tensor not yet ready is released (the loader then re
 cold, as it would without spanwarm). ``SPANWARM_DISABLE=1`` makes every request a no-op.
 
 A daemon that is there but stuck must not stall the job either. The channel sends
-keepalive pings (a frozen or partitioned daemon fails them within about 15 s), and a
+keepalive pings (a frozen or partitioned daemon fails them within 15 s), and a
 watchdog releases the ticket when ``stall_timeout`` (30 s) passes with no progress: no
 event for this request's tensors and no movement in the node's heartbeats.
 """
@@ -42,6 +42,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),  # the ack wait that applies here (default 60 s)
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
@@ -322,7 +323,7 @@ class Client:
 
     def _watch(self, ticket: Ticket) -> None:
         """Release the ticket when the daemon makes no progress for ``stall_timeout``."""
-        while not ticket.finished.wait(min(1.0, self.stall_timeout / 4)):
+        while not ticket.finished.wait(min(0.5, self.stall_timeout / 8)):
             stalled = ticket._stalled_for()
             if stalled < self.stall_timeout:
                 continue

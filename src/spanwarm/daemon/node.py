@@ -378,6 +378,7 @@ class Node:
                 cell = self._cells[key] = Cell()
             cell.wait(request)
         request.active = True
+        request.activated = time.monotonic()
         needed_after = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         self.metrics.add(self.metrics.requested, request.nbytes)
         self.metrics.add(
@@ -488,10 +489,12 @@ class Node:
 
     def _satisfied(self, request: Request, key: CellKey) -> bool:
         """Whether warm operations completed since the request arrived cover its need in
-        the cell (bytes that failed meanwhile are not needed: their groups failed)."""
+        the cell. Bytes that failed while it waited on the cell are not needed: its groups
+        on them failed then (``_fail_ranges``); a failure from before it waited is not
+        excused, the bytes are read again."""
         lo, hi = request.hull(key)
         cell = self._cells[key]
-        need = _subtract(self._planned(key, lo, hi), _since(cell.bad, request.arrival))
+        need = _subtract(self._planned(key, lo, hi), _since(cell.bad, request.activated))
         return not _subtract(need, _since(cell.warm, request.arrival))
 
     def _to_read(self, key: CellKey) -> list[Range]:
@@ -506,7 +509,8 @@ class Node:
         lo = min(h[0] for h in hulls)
         hi = max(h[1] for h in hulls)
         since = max(r.arrival for r in waiters)
-        done = _union([*_since(cell.warm, since), *_since(cell.bad, since)])
+        failed_since = max(r.activated for r in waiters)
+        done = _union([*_since(cell.warm, since), *_since(cell.bad, failed_since)])
         return _subtract(self._planned(key, lo, hi), done)
 
     def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range]] | None:

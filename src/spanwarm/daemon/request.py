@@ -101,6 +101,7 @@ class Request:
         self.files: dict[OpenFile, SpanTable] = {}
         self.file_groups: dict[OpenFile, npt.NDArray[np.int64]] = {}  # group of each span
         self.active = False  # in the node plan and in its cells' waiters (Node.register)
+        self.activated = float("inf")  # when it became active
         self.acquired = list(admitted.files)  # one file-table reference per listed path
         self.state = np.zeros(len(self.groups), dtype=np.int8)
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)

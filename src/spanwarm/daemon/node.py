@@ -379,6 +379,10 @@ class Node:
             cell.wait(request)
         request.active = True
         request.activated = time.monotonic()
+        for file in request.files:
+            if file.failed:  # it changed before this request got its plan: nothing to warm
+                for key in [k for k in request.pending if k[0] is file]:
+                    self._fail(request, key, "ABORTED", f"{file.path}: changed while warming")
         needed_after = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         self.metrics.add(self.metrics.requested, request.nbytes)
         self.metrics.add(

@@ -10,6 +10,7 @@ handlers are registered by hand, taking raw bytes, so that decoding is ours to a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import logging
@@ -195,7 +196,8 @@ class WarmerService:
 
     def _trim(self) -> None:
         self._trim_pending = False
-        self.node.admission_pool.submit(_trim_heap, collect=True)
+        with contextlib.suppress(RuntimeError):  # the pool has shut down: we are exiting
+            self.node.admission_pool.submit(_trim_heap, collect=True)
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:
         """Register the request, send its plan, then its events until it is done and the

@@ -67,9 +67,10 @@ def plan_file(
         spans = SpanTable.concat(
             [spans, SpanTable.of([StridedSpan(0, header_bytes, header_bytes, 1)])]
         )
-    runs = spans.runs(gap=seek_cost)
+    normalized = spans.normalized()  # shared: it is half the work of each
+    runs = spans.runs(gap=seek_cost, normalized=normalized)
     cost = runs.nbytes + len(runs) * seek_cost
-    needed = spans.covered_bytes()
+    needed = spans.covered_bytes(normalized)
     if needed and cost >= size + seek_cost:
         whole = Intervals(np.array([0], dtype=np.int64), np.array([size], dtype=np.int64))
         return FilePlan(path, size, needed, len(runs), cost, "whole", whole)

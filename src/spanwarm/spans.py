@@ -157,9 +157,12 @@ class SpanTable:
         )
         return merged, strided.select(~now_contiguous)
 
-    def union(self) -> tuple[Intervals, SpanTable]:
-        """The exact union as intervals plus strided spans that overlap nothing else."""
-        plain, strided = self.normalized()
+    def union(
+        self, normalized: tuple[Intervals, SpanTable] | None = None
+    ) -> tuple[Intervals, SpanTable]:
+        """The exact union as intervals plus strided spans that overlap nothing else
+        (``normalized``: this table's ``normalized()``, when the caller has it already)."""
+        plain, strided = normalized or self.normalized()
         if len(strided) == 0:
             return plain, strided
         starts = np.concatenate([plain.starts, strided.offset])
@@ -183,14 +186,16 @@ class SpanTable:
         )
         return merged, strided.select(~crowded_strided)
 
-    def covered_bytes(self) -> int:
+    def covered_bytes(self, normalized: tuple[Intervals, SpanTable] | None = None) -> int:
         """Bytes in the union of all spans, each counted once."""
-        plain, isolated = self.union()
+        plain, isolated = self.union(normalized)
         return plain.nbytes + int((isolated.length * isolated.count).sum())
 
-    def runs(self, gap: int = 0) -> Intervals:
+    def runs(
+        self, gap: int = 0, normalized: tuple[Intervals, SpanTable] | None = None
+    ) -> Intervals:
         """The union with every gap of at most ``gap`` bytes bridged: what to read."""
-        plain, strided = self.normalized()
+        plain, strided = normalized or self.normalized()
         bridged = strided.stride - strided.length <= gap
         rows_starts, rows_stops = strided.select(~bridged).expand()
         return merge_intervals(

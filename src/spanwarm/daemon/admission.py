@@ -186,8 +186,16 @@ class FileTable:
         with self._lock:
             file.refs -= 1
             if file.refs == 0:
-                del self._files[file.identity]
+                if self._files.get(file.identity) is file:
+                    del self._files[file.identity]
                 os.close(file.fd)
+
+    def forget(self, file: OpenFile) -> None:
+        """Stop handing ``file`` out (it changed under us): a later request for the same
+        identity opens it afresh. Its holders still release it, and close it at the end."""
+        with self._lock:
+            if self._files.get(file.identity) is file:
+                del self._files[file.identity]
 
     def close_all(self) -> None:
         with self._lock:

@@ -63,13 +63,13 @@ from spanwarm.daemon.warm_engine import (
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, unmap
 from spanwarm.residency import PAGE, resident_bytes
-from spanwarm.spans import SpanTable
+from spanwarm.spans import Intervals, SpanTable
 
 __all__ = ["Node"]
 
 logger = logging.getLogger("spanwarm.daemon")
 
-_PLAN_INLINE = 2_000  # spans a batch may have to be planned on the loop rather than a worker
+_PLAN_INLINE = 2_000  # rows a batch may have to be planned on the loop rather than a worker
 
 
 @dataclass(slots=True)
@@ -122,6 +122,7 @@ class _Outcome:
     verified: int = 0  # bytes found resident already
     kept: list[tuple[int, int]] = field(default_factory=list)  # --hold: (address, length)
     bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
+    done: float = 0.0  # when the last read completed (taken in the worker, not on the loop)
 
 
 def _since(ranges: Iterable[tuple[int, int, float]], when: float) -> list[Range]:
@@ -187,17 +188,36 @@ def _pin(fd: int, start: int, stop: int) -> tuple[int, int]:
     return addr, length
 
 
-def _overlap(xs: list[Range], ys: list[Range]) -> int:
-    """Bytes in both of two sorted, disjoint range lists (one linear pass)."""
-    total = i = j = 0
-    while i < len(xs) and j < len(ys):
-        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        total += max(0, hi - lo)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+def _pin_all(fd: int, ranges: list[Range]) -> list[tuple[int, int]]:
+    """Pin every range, or none: a mapping that fails (ENOMEM at vm.max_map_count) gives
+    back the ones made before it. Pinning is best effort; the bytes are warm either way."""
+    kept: list[tuple[int, int]] = []
+    try:
+        for start, stop in ranges:
+            kept.append(_pin(fd, start, stop))
+    except OSError as exc:
+        logger.warning("--hold: cannot keep a warmed range mapped: %s", exc)
+        for addr, length in kept:
+            unmap(addr, length)
+        return []
+    return kept
+
+
+def _overlap(xs: list[Range], runs: Intervals) -> int:
+    """Bytes in both ``xs`` (sorted, disjoint) and ``runs``, vectorised: a plan can have
+    millions of runs and Status must stay fast."""
+    if not xs or not len(runs):
+        return 0
+    starts = np.fromiter((a for a, _ in xs), np.int64, len(xs))
+    stops = np.fromiter((b for _, b in xs), np.int64, len(xs))
+    below = np.concatenate([[0], np.cumsum(stops - starts)])  # bytes of xs before each range
+
+    def covered_below(x: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        i = np.searchsorted(starts, x, side="right") - 1
+        inside = np.where(i >= 0, np.minimum(x, stops[i]) - starts[i], 0)
+        return np.where(i >= 0, below[np.maximum(i, 0)] + inside, 0)
+
+    return int((covered_below(runs.stops) - covered_below(runs.starts)).sum())
 
 
 def _requeue(request: Request, key: CellKey) -> None:
@@ -245,6 +265,7 @@ class Node:
         self._plan_wake = asyncio.Event()
         self._dirty: set[OpenFile] = set()
         self._plan_waiters: list[asyncio.Future[None]] = []
+        self._planned_total: int | None = None  # sum of the plans' warm bytes, when known
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -294,6 +315,7 @@ class Node:
         for key in request.consume(groups):
             self._unhold(key, request)
             self._release_if_free(key)
+            self._wake.set()  # even if another rank still holds the cell: this one may go on
         return True
 
     def _hold(self, key: CellKey, request: Request) -> None:
@@ -372,17 +394,19 @@ class Node:
         await self._replanned(request.files)
         if request not in self._requests:  # released while planning
             return
+        for file in request.files:
+            if file.failed:  # it changed before this request got its plan: nothing to warm
+                for key in [k for k in request.pending if k[0] is file]:
+                    self._fail(request, key, "ABORTED", f"{file.path}: changed while warming")
         for key in request.cells:
+            if key not in request.pending:
+                continue
             cell = self._cells.get(key)
             if cell is None:
                 cell = self._cells[key] = Cell()
             cell.wait(request)
         request.active = True
         request.activated = time.monotonic()
-        for file in request.files:
-            if file.failed:  # it changed before this request got its plan: nothing to warm
-                for key in [k for k in request.pending if k[0] is file]:
-                    self._fail(request, key, "ABORTED", f"{file.path}: changed while warming")
         needed_after = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         self.metrics.add(self.metrics.requested, request.nbytes)
         self.metrics.add(
@@ -407,6 +431,7 @@ class Node:
             if cell is not None:
                 cell.unwait(request)
             self._unhold(key, request)
+        gone: set[OpenFile] = set()
         for file in request.files:
             users = self._users.get(file)
             if users is not None:
@@ -414,11 +439,12 @@ class Node:
             if not users:
                 self._users.pop(file, None)
                 self._plans.pop(file, None)
+                self._planned_total = None
                 self._background.pop(file, None)
-                for key in [
-                    k for k in self._cells if k[0] is file and not self._cells[k].in_flight
-                ]:
-                    del self._cells[key]
+                gone.add(file)
+        if gone:  # one pass over the cells, whatever the number of files
+            for key in [k for k, c in self._cells.items() if k[0] in gone and not c.in_flight]:
+                del self._cells[key]
         self._mark_dirty(f for f in request.files if f in self._users)
         for file in request.acquired:
             self.files.release(file)
@@ -452,9 +478,9 @@ class Node:
                 for f in dirty
                 if self._users.get(f) and not f.failed
             ]
-            spans = sum(len(t) for _, tables in jobs for t in tables)
+            rows = sum(int(t.count.sum()) for _, tables in jobs for t in tables)
             try:
-                if spans <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
+                if rows <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
                     planned = _plan_files(jobs, self.config.seek_cost, self.chunk)
                 else:
                     planned = await loop.run_in_executor(
@@ -470,6 +496,7 @@ class Node:
                 if file in self._users and not file.failed:  # still wanted
                     self._plans[file] = plan
                     self._background[file] = cells
+            self._planned_total = None
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
@@ -526,7 +553,13 @@ class Node:
         ``Request.may_exceed_budget`` allows still goes.
         """
         active = [r for r in self._requests if r.active]
-        starting = {r for r in active if r.groups and r.state[0] == PENDING}
+        # Ranks still waiting for their first tensor, and able to start a read for it: one
+        # whose first-tensor reads are all in flight (or hung) holds nobody back.
+        starting = {
+            r
+            for r in active
+            if r.groups and r.state[0] == PENDING and self._first_tensor_cell(r, False) is not None
+        }
         participants: list[Request | None] = [*active, None]
         for step in range(len(participants)):
             who = participants[(self._turn + step) % len(participants)]
@@ -569,6 +602,12 @@ class Node:
                 return key, ranges
         return None
 
+    def _planned_bytes(self) -> int:
+        """What the node plan reads, kept per plan generation (asked on every dispatch)."""
+        if self._planned_total is None:
+            self._planned_total = sum(p.warm_bytes for p in self._plans.values())
+        return self._planned_total
+
     def _first_tensor_cell(self, request: Request, over_budget: bool) -> CellKey | None:
         """A cell of the request's first tensor not ready yet that may be warmed now."""
         pending = np.flatnonzero(request.state == PENDING)
@@ -588,7 +627,7 @@ class Node:
     def _background_queue(self) -> _CellQueue | None:
         """The first file's queue of cells only the plan needs (None when there are none,
         or when the plan exceeds the budget: then only what ranks need is warmed)."""
-        if sum(p.warm_bytes for p in self._plans.values()) > self.budget:
+        if self._planned_bytes() > self.budget:
             return None
         for file, queue in list(self._background.items()):
             if queue:
@@ -626,8 +665,11 @@ class Node:
         except OSError as exc:  # the file could not even be opened again
             where = f"{file.path}: {exc.strerror or exc} (at offset {ranges[0][0]})"
             self._fail_cell(key, "UNAVAILABLE", where)
+        except Exception as exc:  # a bug: fail the cell's waiters, keep the node consistent
+            logger.exception("warming %s failed", file.path)
+            self._fail_cell(key, "INTERNAL", f"{file.path}: internal error while warming: {exc!r}")
         else:
-            done = time.monotonic()
+            done = outcome.done
             bad = [(b.start, b.stop) for b in outcome.bad]
             good = _subtract(ranges, bad)
             warmed_cell = self._cells[key]
@@ -677,7 +719,8 @@ class Node:
                 outcome.verified += resident
             if self.config.hold:
                 bad = [(b.start, b.stop) for b in outcome.bad]
-                outcome.kept = [_pin(fd, a, b) for a, b in _subtract(ranges, bad)]
+                outcome.kept = _pin_all(fd, _subtract(ranges, bad))
+        outcome.done = time.monotonic()
         return outcome
 
     # -- readiness -----------------------------------------------------------------------
@@ -754,6 +797,8 @@ class Node:
                 if cell is not None:
                     cell.unwait(request)
         self._plans.pop(file, None)
+        self._planned_total = None
+        self.files.forget(file)  # a later request opens the file afresh
 
     def _fail(self, request: Request, key: CellKey, code: str, reason: str) -> None:
         request.pending.discard(key)
@@ -784,7 +829,7 @@ class Node:
         for (file, _), cell in self._cells.items():
             warm_by_file.setdefault(file, []).extend((a, b) for a, b, _ in cell.warm)
         for file, plan in self._plans.items():
-            file_warm = _overlap(_union(warm_by_file.get(file, ())), plan.runs.pairs())
+            file_warm = _overlap(_union(warm_by_file.get(file, ())), plan.runs)
             planned += plan.warm_bytes
             warm += file_warm
             files.append({**plan.to_json(), "warm_now_bytes": file_warm})

@@ -205,14 +205,23 @@ class Request:
 
     def may_exceed_budget(self, key: CellKey) -> bool:
         """Whether the cell may be warmed past the budget: it serves this request's first
-        tensor not yet ready, and the request holds nothing else unread. A rank that has
-        read everything warmed for it is waiting on exactly this: without it, nothing
-        would ever be read and released. A rank still holding unread tensors waits."""
+        tensor not yet ready, and the request holds nothing it could read before that
+        tensor. A rank that has read everything warmed for it is waiting on exactly this:
+        without it, nothing would ever be read and released. A rank still holding unread
+        tensors it can read now waits; held cells whose unread tensors all come after the
+        first pending one cannot be read before it, so they do not hold it back."""
         pending = np.flatnonzero(self.state == PENDING)
         if not pending.size:
             return False
-        first = pending[0]
-        return all(bool((self.cell_groups(k) == first).any()) for k in (key, *self.holding))
+        first = int(pending[0])
+        if not bool((self.cell_groups(key) == first).any()):
+            return False
+        for held in self.holding:
+            groups = self.cell_groups(held)
+            unread = groups[~self.consumed[groups]]
+            if not ((unread == first).any() or (unread > first).all()):
+                return False
+        return True
 
     def hull(self, key: CellKey) -> Range:
         row = self._row[key]

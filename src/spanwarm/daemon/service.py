@@ -10,6 +10,7 @@ handlers are registered by hand, taking raw bytes, so that decoding is ours to a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import gc
@@ -151,9 +152,8 @@ class WarmerService:
             live = None
             # Decoding 100k spans takes milliseconds, stat/open may block on a network
             # mount, and 1M spans take a while to index: all of it off the loop.
-            admission = asyncio.get_running_loop().run_in_executor(
-                self.node.admission_pool, self._admit, data
-            )
+            job = self.node.admission_pool.submit(self._admit, data)
+            admission = asyncio.wrap_future(job)
             try:
                 while not admission.done():
                     await asyncio.wait([admission], timeout=HEARTBEAT_SECONDS)
@@ -162,7 +162,9 @@ class WarmerService:
                 live = admission.result()
             finally:
                 if live is None:  # refused, or the client left: give back what was opened
-                    admission.add_done_callback(self._abandon)
+                    job.cancel()  # not started yet: it never runs
+                    job.add_done_callback(self._abandon)
+                    admission.add_done_callback(_retrieved)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
@@ -250,9 +252,11 @@ class WarmerService:
             )
         )
 
-    def _abandon(self, admission: asyncio.Future[Request]) -> None:
-        if not admission.cancelled() and admission.exception() is None:
-            for file in admission.result().acquired:
+    def _abandon(self, job: concurrent.futures.Future[Request]) -> None:
+        """An admission nobody will use: give its files back once it is done (this runs
+        in the admission thread, or here if it is done already; the file table locks)."""
+        if not job.cancelled() and job.exception() is None:
+            for file in job.result().acquired:
                 self.node.files.release(file)
 
     def _admit(self, data: bytes) -> Request:
@@ -343,6 +347,12 @@ def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None
             }
         },
     )
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark an abandoned future's outcome as seen (asyncio would log it as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _trim_heap(*, collect: bool) -> None:

@@ -199,3 +199,45 @@ def test_the_daemon_derives_its_budget_from_the_cgroup(tmp_path: Path) -> None:
     with running_daemon("--cgroup-root", str(root)) as daemon:
         status = Client(daemon.socket).status()
     assert status["budget_bytes"] == (2**30 - 2**28) // 2
+
+
+def test_a_held_cell_the_rank_cannot_read_yet_does_not_stall_it_past_the_budget(
+    tmp_path: Path,
+) -> None:
+    # B joins while A's first cell is being read; that cell holds B's *second* tensor, so
+    # B holds it ready before its first tensor. Past the budget, B's first tensor used to
+    # be refused ("it holds unread tensors") while first-tensors-first kept everyone else
+    # waiting for B: both ranks stood still until the holds expired (20 s here).
+    path = cold_file(tmp_path / "f", 8 * MiB)
+    flags = ("--method", "read", "--chunk-size", "1MiB", "--workers", "1", "--seek-cost", "0")
+    budget = ("--memory-budget", "1MiB", "--hold-seconds", "20", "--throttle", "4MiB")
+    with running_daemon(*flags, *budget) as daemon:
+        a, b = Client(daemon.socket), Client(daemon.socket)
+        rank_a = a.request(
+            [
+                TensorSpans("a0", str(path), 0, MiB, MiB, 1),
+                TensorSpans("a1", str(path), MiB, MiB, MiB, 1),
+            ],
+            rank=0,
+        )
+        time.sleep(0.05)  # A's first cell is in flight (a 1 MiB read takes 0.25 s here)
+        rank_b = b.request(
+            [
+                TensorSpans("b0", str(path), 2 * MiB, MiB, MiB, 1),
+                TensorSpans("b1", str(path), 0, MiB, MiB, 1),
+            ],
+            rank=1,
+        )
+        assert rank_a.wait(["a0"], timeout=10)
+        rank_a.consumed(["a0"])
+        started = time.monotonic()
+        b_first = rank_b.wait(["b0"], timeout=15)
+        took = time.monotonic() - started
+        a_second = rank_a.wait(["a1"], timeout=15)
+        for ticket in (rank_a, rank_b):
+            ticket.cancel()
+        a.close()
+        b.close()
+    assert b_first, "B's first tensor waited for the holds to expire"
+    assert a_second
+    assert took < 15

@@ -174,7 +174,11 @@ class Request:
         """Mark groups read; return the cells in which nothing of this request is left
         unread. Vectorised: a report of a million groups costs milliseconds, not seconds
         of the event loop (indices outside the request and repeats are ignored)."""
-        wanted = np.fromiter(groups, dtype=np.int64)
+        wanted = (
+            groups.astype(np.int64, copy=False)
+            if isinstance(groups, np.ndarray)
+            else np.fromiter(groups, dtype=np.int64)
+        )
         wanted = np.unique(wanted[(wanted >= 0) & (wanted < len(self.groups))])
         wanted = wanted[~self.consumed[wanted]]
         if not wanted.size:

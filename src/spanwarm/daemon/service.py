@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
@@ -44,6 +46,7 @@ WARMER = warmer_pb2.DESCRIPTOR.services_by_name["Warmer"].full_name
 HEARTBEAT_SECONDS = 5.0  # a stream idle this long gets a heartbeat (clients watch for them)
 _MAX_DETAILS = 1000  # characters of a status message (it travels in a header)
 _PATH_SHOWN = 400  # characters of a path quoted in a refusal (its head and its tail)
+_DECODE_INLINE = 64 * 2**10  # bytes of a Consumed message decoded on the loop
 _LARGE = 10_000  # spans: a request this large has its memory given back when done
 
 _PLAN_FIELDS = tuple(warmer_pb2.FilePlan.DESCRIPTOR.fields_by_name)
@@ -105,6 +108,12 @@ def _decode(cls: Any, data: bytes) -> Any:
         return cls.FromString(data)
     except (DecodeError, ValueError) as exc:
         raise InvalidRequestError(f"not a valid {cls.DESCRIPTOR.name}: {exc}") from None
+
+
+def _decode_consumed(data: bytes) -> tuple[int, npt.NDArray[np.int64]]:
+    request = _decode(warmer_pb2.ConsumedRequest, data)
+    groups = np.fromiter(request.groups, dtype=np.int64, count=len(request.groups))
+    return request.request_id, groups
 
 
 class WarmerService:
@@ -277,9 +286,14 @@ class WarmerService:
         return await self._unary(context, self._consumed, data, context)
 
     async def _consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        request = _decode(warmer_pb2.ConsumedRequest, data)
-        if not self.node.consumed(request.request_id, request.groups):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {request.request_id}")
+        if len(data) > _DECODE_INLINE:  # a huge report: decode it off the loop
+            request_id, groups = await asyncio.get_running_loop().run_in_executor(
+                self.node.admission_pool, _decode_consumed, data
+            )
+        else:
+            request_id, groups = _decode_consumed(data)
+        if not self.node.consumed(request_id, groups):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {request_id}")
         return warmer_pb2.ConsumedReply()
 
     async def Status(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:

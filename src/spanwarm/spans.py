@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Intervals", "SpanTable", "StridedSpan", "merge_intervals"]
+__all__ = ["Intervals", "SpanTable", "StridedSpan", "merge_intervals", "run_offsets"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -81,6 +81,16 @@ def _empty() -> Int64Array:
     return np.zeros(0, dtype=np.int64)
 
 
+def run_offsets(counts: Int64Array) -> Int64Array:
+    """``0 .. c-1`` for each ``c`` in ``counts``, concatenated: the position of every item
+    within its run when runs of these lengths are laid end to end (``np.repeat`` gives
+    the run of each item)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+
+
 def merge_intervals(starts: Int64Array, stops: Int64Array, gap: int = 0) -> Intervals:
     """Union of intervals; overlapping and touching ones join, and so do ones ``<= gap`` apart."""
     keep = stops > starts
@@ -137,8 +147,7 @@ class SpanTable:
         total = int(counts.sum())
         if total == 0:
             return _empty(), _empty()
-        group_start = np.repeat(np.cumsum(counts) - counts, counts)
-        row = np.arange(total, dtype=np.int64) - group_start
+        row = run_offsets(counts)
         starts = np.repeat(self.offset, counts) + row * np.repeat(self.stride, counts)
         return starts, starts + np.repeat(self.length, counts)
 

@@ -63,7 +63,7 @@ from spanwarm.daemon.warm_engine import (
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, unmap
 from spanwarm.residency import PAGE, resident_bytes
-from spanwarm.spans import Intervals, SpanTable
+from spanwarm.spans import Intervals, SpanTable, run_offsets
 
 __all__ = ["Node"]
 
@@ -141,8 +141,7 @@ def _plan_files(
         plan = plan_file(file.path, file.size, SpanTable.concat(tables), seek_cost)
         first, last = plan.runs.starts // chunk, (plan.runs.stops - 1) // chunk
         counts = last - first + 1
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        cells = np.unique(np.repeat(first, counts) + offsets)
+        cells = np.unique(np.repeat(first, counts) + run_offsets(counts))
         out.append((file, plan, _CellQueue(file, cells)))
     return out
 

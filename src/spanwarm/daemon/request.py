@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.daemon.admission import AdmittedRequest, OpenFile
-from spanwarm.spans import SpanTable
+from spanwarm.spans import SpanTable, run_offsets
 
 __all__ = ["FAILED", "PENDING", "READY", "CellKey", "Event", "Range", "Request"]
 
@@ -66,9 +66,7 @@ def _touches(
             continue
         per = cells_per_span[part]
         pair = np.repeat(part, per)
-        cell = np.repeat(first_cell[part], per) + (
-            np.arange(len(pair)) - np.repeat(np.cumsum(per) - per, per)
-        )
+        cell = np.repeat(first_cell[part], per) + run_offsets(per)
         o, ln, st, ct = off[pair], length[pair], stride[pair], count[pair]
         c0 = cell * chunk
         c1 = np.minimum(c0 + chunk, size)
@@ -186,8 +184,7 @@ class Request:
         self.consumed[wanted] = True
         starts, stops = self._rows_ptr[wanted], self._rows_ptr[wanted + 1]
         per = stops - starts
-        at = np.repeat(starts - (np.cumsum(per) - per), per) + np.arange(int(per.sum()))
-        rows = self._rows_by_group[at]
+        rows = self._rows_by_group[np.repeat(starts, per) + run_offsets(per)]
         np.subtract.at(self._unread, rows, 1)
         touched = np.unique(rows)
         return [self.cells[int(row)] for row in touched[self._unread[touched] == 0]]

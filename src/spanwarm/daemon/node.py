@@ -219,21 +219,6 @@ def _overlap(xs: list[Range], runs: Intervals) -> int:
     return int((covered_below(runs.stops) - covered_below(runs.starts)).sum())
 
 
-def _requeue(request: Request, key: CellKey) -> None:
-    """Put ``key`` back at the front of the request's queue, but behind the cells of the
-    first tensor not ready yet: while the rank starts (first tensors first) or is over the
-    budget, ``Node._next`` dispatches only those and stops at the first other cell, so
-    one in front would hold the rank's next tensor back."""
-    queue = request.queue
-    pending = np.flatnonzero(request.state == PENDING)
-    at = 0
-    if pending.size and not request.serves_group(key, int(pending[0])):
-        first = int(pending[0])
-        while at < len(queue) and request.serves_group(queue[at], first):
-            at += 1
-    queue.insert(at, key)
-
-
 class Node:
     """Owns the live requests, the plans and the warm workers of one daemon."""
 
@@ -733,7 +718,9 @@ class Node:
             if key not in request.pending:
                 continue
             if not self._satisfied(request, key):
-                _requeue(request, key)  # the read did not cover it: go again, first
+                # The read did not cover it: go again, first. (A rank held to its first
+                # tensor finds that tensor's cells wherever they are: _first_tensor_cell.)
+                request.queue.appendleft(key)
                 continue
             request.pending.discard(key)
             cell.unwait(request)

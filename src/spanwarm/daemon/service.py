@@ -49,7 +49,6 @@ _PATH_SHOWN = 400  # characters of a path quoted in a refusal (its head and its 
 _DECODE_INLINE = 64 * 2**10  # bytes of a Consumed message decoded on the loop
 _LARGE = 10_000  # spans: a request this large has its memory given back when done
 
-_PLAN_FIELDS = tuple(warmer_pb2.FilePlan.DESCRIPTOR.fields_by_name)
 _LIMITS = {
     FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
     FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
@@ -74,7 +73,7 @@ def _message(cls: Any, fields: dict[str, Any]) -> Any:
 
 
 def _file_plan(fields: dict[str, Any]) -> Any:
-    return _message(warmer_pb2.FilePlan, {k: v for k, v in fields.items() if k in _PLAN_FIELDS})
+    return _message(warmer_pb2.FilePlan, fields)  # _message drops keys the proto lacks
 
 
 def _details(text: str) -> str:

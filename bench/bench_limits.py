@@ -82,7 +82,10 @@ def measure(
         groups=["g"],
         file_index=[0] * n,
         group_index=[0] * n,
-        **cols,
+        offset=cols["offset"],
+        length=cols["length"],
+        stride=cols["stride"],
+        count=cols["count"],
     )
     peak = [0]
     stop = threading.Event()

@@ -1,17 +1,36 @@
-"""Where the node's daemon listens: shared by the daemon and its clients."""
+"""Where the node's daemon listens, and whether that place can be trusted.
+
+Shared by the daemon and its clients. A socket is only as private as the directories
+above it: whoever may write one of them can replace the socket with their own (and
+listen for what ranks send, or stall them). So both sides refuse a socket whose
+directory chain another non-root user controls: a directory owned by someone else, or
+one that group or others may write without the sticky bit (with it, as in /tmp, nobody
+can rename or remove another user's entries). The client also refuses a socket owned by
+anyone but root or itself.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["default_socket_path"]
+__all__ = [
+    "access_socket_path",
+    "default_socket_path",
+    "private_directory",
+    "unsafe_directory",
+    "unsafe_socket",
+]
+
+_ACCESS_SUFFIX = ".access"
 
 
 def default_socket_path() -> str:
     """``$SPANWARM_SOCKET``, else /run/spanwarm/spanwarm.sock as root, else a per-user path
-    (``$XDG_RUNTIME_DIR/spanwarm.sock``, or a private directory in the temp dir)."""
+    (``$XDG_RUNTIME_DIR/spanwarm.sock``, or ``spanwarm-<uid>/spanwarm.sock`` in the temp
+    dir: a directory the daemon creates 0700, and both sides verify)."""
     if env := os.environ.get("SPANWARM_SOCKET"):
         return env
     if os.geteuid() == 0:
@@ -19,3 +38,60 @@ def default_socket_path() -> str:
     if runtime := os.environ.get("XDG_RUNTIME_DIR"):
         return str(Path(runtime) / "spanwarm.sock")
     return str(Path(tempfile.gettempdir()) / f"spanwarm-{os.geteuid()}" / "spanwarm.sock")
+
+
+def access_socket_path(socket: str) -> str:
+    """The access channel's socket (descriptors and peer credentials), next to ``socket``."""
+    return socket + _ACCESS_SUFFIX
+
+
+def _describe(path: str, st: os.stat_result) -> str:
+    return f"{path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
+
+
+def unsafe_directory(directory: str, uid: int | None = None) -> str | None:
+    """Why another user could replace entries of ``directory`` (None: nobody but root and
+    ``uid``, by default ours, can). Every directory from the root down is checked."""
+    uid = os.geteuid() if uid is None else uid
+    try:
+        real = os.path.realpath(directory)
+        chain = [real, *(str(p) for p in Path(real).parents)]
+        for path in chain:
+            st = os.stat(path)
+            if st.st_uid not in (0, uid):
+                return f"{_describe(path, st)} belongs to another user"
+            writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            if writable and not st.st_mode & stat.S_ISVTX:
+                return f"{_describe(path, st)} is writable by others without the sticky bit"
+    except OSError as exc:
+        return f"{directory}: {exc.strerror}"
+    return None
+
+
+def unsafe_socket(path: str, uid: int | None = None) -> str | None:
+    """Why a client must not talk to the socket at ``path`` (None: it may). The socket must
+    be a socket owned by root or ``uid``, in a directory chain nobody else controls."""
+    uid = os.geteuid() if uid is None else uid
+    if reason := unsafe_directory(os.path.dirname(os.path.abspath(path)) or "/", uid):
+        return reason
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{_describe(path, st)} is not a socket"
+    if st.st_uid not in (0, uid):
+        return f"{_describe(path, st)} belongs to another user"
+    return None
+
+
+def private_directory(directory: str, mode: int) -> str | None:
+    """Create ``directory`` (``mode``, parents too) unless it exists, then say why it is not
+    safe for our socket (None when it is)."""
+    if not os.path.isdir(directory):
+        try:
+            os.makedirs(directory, mode=mode, exist_ok=True)
+            os.chmod(directory, mode)  # makedirs' mode is masked by the umask
+        except OSError as exc:
+            return f"{directory}: cannot create it: {exc.strerror}"
+    return unsafe_directory(directory)

@@ -201,3 +201,17 @@ class RequestTooLargeError(RequestError):
     """Over one of the daemon's per-request limits (spans, files, cells touched, rows)."""
 
     grpc_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+
+
+class UnauthenticatedError(RequestError):
+    """A call without a valid token on a socket others may reach (docs/daemon.md,
+    "Security model")."""
+
+    grpc_code: ClassVar[str] = "UNAUTHENTICATED"
+
+
+class AccessDeniedError(RequestError):
+    """A descriptor that proves nothing (not opened for reading, ``O_PATH``), or a caller
+    over one of its uid's caps."""
+
+    grpc_code: ClassVar[str] = "PERMISSION_DENIED"

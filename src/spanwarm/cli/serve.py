@@ -55,6 +55,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from spanwarm.daemon.logs import configure_logging
+    from spanwarm.daemon.server import UnsafeSocketError
     from spanwarm.daemon.server import run as run_daemon
 
     flags = {name: getattr(args, name) for name, _, _ in settings()}
@@ -66,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(config.log_level, config.log_format)
     try:
         return run_daemon(config)
+    except UnsafeSocketError as exc:
+        print(f"spanwarm serve: {exc}", file=sys.stderr)
+        return 2
     except (SpanwarmError, OSError) as exc:
         print(f"spanwarm serve: {exc}", file=sys.stderr)
         return 1

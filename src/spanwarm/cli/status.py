@@ -15,6 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from spanwarm.client import Client
+from spanwarm.client.access import EndpointUnsafe
 from spanwarm.units import format_bytes
 
 
@@ -102,12 +103,13 @@ def run(args: argparse.Namespace) -> int:
                 while True:
                     time.sleep(args.interval)
                     live.update(render(client.status()))
-    except grpc.RpcError as exc:
-        print(
-            f"spanwarm status: no daemon answering at {client.socket} ({exc.code().name})",
-            file=sys.stderr,
-        )
+    except (grpc.RpcError, OSError) as exc:
+        code = exc.code().name if isinstance(exc, grpc.RpcError) else "UNAVAILABLE"
+        print(f"spanwarm status: no daemon answering at {client.socket} ({code})", file=sys.stderr)
         return 1
+    except EndpointUnsafe as exc:
+        print(f"spanwarm status: not using {client.socket}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 0
     finally:

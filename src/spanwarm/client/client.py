@@ -6,6 +6,13 @@ fail or stall a job: if the daemon is absent, dies, or answers with an error, on
 warning is logged and every tensor not yet ready is released (the loader then reads
 cold, as it would without spanwarm). ``SPANWARM_DISABLE=1`` makes every request a no-op.
 
+The daemon warms only what this process proves it may read: before ``Warm``, the client
+opens the request's files itself and passes the descriptors on the access channel
+(:mod:`spanwarm.client.access`), which answers with a token the calls carry. A file this
+process cannot open is not requested: its tensors are released at once (their load
+would fail the same way without spanwarm). A socket in a place another user controls
+is never contacted: one warning, and the load goes on without prefetch.
+
 A daemon that is there but stuck must not stall the job either. The channel sends
 keepalive pings (a frozen or partitioned daemon fails them within 15 s), and a
 watchdog releases the ticket when ``stall_timeout`` (30 s) passes with no progress: no
@@ -23,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
+import numpy as np
 
+from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint, grant
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
@@ -76,6 +85,7 @@ class Ticket:
         self._call: Any = None
         self._report: Any = None  # sends Consumed once the daemon has named the request
         self._request_id: int | None = None
+        self._token = ""  # from the access channel: Consumed reports carry it
         self._unreported: list[int] = []
         self.plan: list[dict[str, Any]] = []
         """The node plan for this request's files, once the daemon has accepted it."""
@@ -225,12 +235,14 @@ class Client:
         self.disabled = os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()
+        self._status_token = ("", 0.0)  # (token, reuse it until this monotonic time)
 
     def _stub(self) -> Any:
         from spanwarm.rpc.v1 import warmer_pb2_grpc
 
         with self._lock:
             if self._channel is None:
+                check_endpoint(self.socket)  # before a single byte goes to it
                 self._channel = grpc.insecure_channel(
                     f"unix:{self.socket}", options=_CHANNEL_OPTIONS
                 )
@@ -340,6 +352,9 @@ class Client:
 
     def _consume(self, ticket: Ticket, request: Any) -> None:
         try:
+            request = self._prove(ticket, request)
+            if request is None:
+                return
             call = self._stub().Warm(request, timeout=self.stream_timeout)
             ticket._call = call
             for event in call:
@@ -358,6 +373,24 @@ class Client:
                     )
                 # After "done" the daemon keeps the stream open until this rank has
                 # reported (Ticket.consumed) what it holds; the loop ends with the stream.
+        except EndpointUnsafe as exc:
+            logger.warning(
+                "spanwarm: not using the daemon socket %s: %s; loading without prefetch",
+                self.socket,
+                exc,
+            )
+        except AccessRefused as exc:
+            logger.warning(
+                "spanwarm: daemon at %s refused the files: %s; loading without prefetch",
+                self.socket,
+                exc,
+            )
+        except OSError as exc:
+            logger.warning(
+                "spanwarm: daemon at %s: UNAVAILABLE: %s; loading without prefetch",
+                self.socket,
+                exc.strerror or exc,
+            )
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED and not ticket._stalled:
                 logger.warning(
@@ -379,16 +412,48 @@ class Client:
                 )
             ticket._release()
 
+    def _prove(self, ticket: Ticket, request: Any) -> Any:
+        """Pass the request's files to the daemon and return the request with its token,
+        naming only the files this process could open (None: nothing is left to warm).
+        Groups with a byte in a file that would not open are released now."""
+        granted = grant(self.socket, list(request.files), timeout=self.timeout)
+        request.token = granted.token
+        ticket._token = granted.token
+        if not granted.failures:
+            return request
+        failed = np.isin(np.asarray(request.file_index, dtype=np.int64), list(granted.failures))
+        groups = np.unique(np.asarray(request.group_index, dtype=np.int64)[failed])
+        first = next(iter(granted.failures.values()))
+        ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {first}")
+        renumber = np.full(len(request.files), -1, dtype=np.int64)
+        renumber[granted.files] = np.arange(len(granted.files))
+        keep = ~failed
+        files = [request.files[i] for i in granted.files]
+        columns = {
+            name: np.asarray(getattr(request, name), dtype=np.uint64)[keep]
+            for name in ("offset", "length", "stride", "count", "group_index")
+        }
+        file_index = renumber[np.asarray(request.file_index, dtype=np.int64)[keep]]
+        del request.files[:]
+        request.files.extend(files)
+        for name, column in columns.items():
+            del getattr(request, name)[:]
+            getattr(request, name).extend(column.tolist())
+        del request.file_index[:]
+        request.file_index.extend(file_index.tolist())
+        return request
+
     def _attach(self, ticket: Ticket, request_id: int) -> None:
         """Give the ticket its request id and a way to report consumption."""
         from spanwarm.rpc.v1 import warmer_pb2
 
         stub = self._stub()
+        token = ticket._token
 
         def report(request_id: int, groups: list[int]) -> None:
             # Fire and forget: the loader must not wait for the daemon between tensors.
             future = stub.Consumed.future(
-                warmer_pb2.ConsumedRequest(request_id=request_id, groups=groups),
+                warmer_pb2.ConsumedRequest(request_id=request_id, groups=groups, token=token),
                 timeout=self.timeout,
             )
             future.add_done_callback(_log_consumed_error)
@@ -400,10 +465,20 @@ class Client:
             report(request_id, backlog)
 
     def status(self) -> dict[str, Any]:
-        """The daemon's Status as a dict (raises grpc.RpcError when it is unreachable)."""
+        """The daemon's Status as a dict: this uid's own ranks and files, and the node's
+        totals (everything, for root and the daemon's own user). Raises grpc.RpcError
+        when it is unreachable, EndpointUnsafe when its socket cannot be trusted."""
         from spanwarm.rpc.v1 import warmer_pb2
 
-        return message_dict(self._stub().Status(warmer_pb2.StatusRequest(), timeout=self.timeout))
+        stub = self._stub()
+        try:  # a grant of no files proves who we are
+            token = grant(self.socket, [], timeout=self.timeout).token
+        except (OSError, AccessRefused) as exc:
+            logger.debug("spanwarm: no token for Status (%s): node totals only", exc)
+            token = ""
+        return message_dict(
+            stub.Status(warmer_pb2.StatusRequest(token=token), timeout=self.timeout)
+        )
 
     def _released(self, names: list[str]) -> Ticket:
         ticket = Ticket(names, [0] * len(names))

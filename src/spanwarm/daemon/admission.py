@@ -1,18 +1,21 @@
-"""Admitting a Warm request: validate it whole, open its files, or refuse it with a reason.
+"""Admitting a Warm request: validate it whole, take its files, or refuse it with a reason.
 
 Every refusal is a :mod:`spanwarm.errors` type whose ``grpc_code`` the service answers
-with, naming the file, the offset and the cause. Files are resolved (symlinks included)
-before the allowed-roots check, must be regular files (a FIFO is stat'ed, never opened
-for a blocking read), and are shared by identity across every request on the node.
+with, naming the file, the offset and the cause. A request's files come as descriptors
+its caller opened (a grant, :mod:`spanwarm.daemon.access`); the daemon opens a path by
+name only for its own user. Either way the allowed roots are checked on the kernel's
+name for what is open, files must be regular (a FIFO is never read), and they are shared
+by identity across every request on the node.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,7 @@ import numpy.typing as npt
 
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.errors import (
+    AccessDeniedError,
     FileChangedError,
     InvalidRequestError,
     NotARegularFileError,
@@ -41,6 +45,7 @@ _MAX_VALUE = 2**62  # every wire value is below this, so span arithmetic stays i
 _MAX_NAMED = 2**60  # bytes one request may name in total (sums stay exact in int64)
 
 
+_O_PATH = getattr(os, "O_PATH", 0o10000000)  # a descriptor that can name, not read
 _MAX_SHOWN = 200  # characters of a caller's path quoted back in a message
 
 
@@ -82,7 +87,11 @@ class FileIdentity:
 
 
 class OpenFile:
-    """A file some live request needs, open once for the whole node."""
+    """A file some live request needs, open once for the whole node.
+
+    ``path`` is the kernel's name for the open file (``/proc/self/fd``), never a name a
+    caller chose: it is what messages, logs and ``Status`` show, whoever asked.
+    """
 
     def __init__(self, path: str, fd: int, identity: FileIdentity) -> None:
         self.path = path
@@ -103,17 +112,18 @@ class OpenFile:
         One open file description per operation is one stream to the storage: its own
         readahead state, and on a network mount its own connection-level sequential
         read, instead of eight workers interleaving on one handle (every read a seek).
+        It is opened through ``/proc/self/fd``, which names this very inode: no path a
+        user controls is followed. Where that open is refused (a FUSE mount without
+        ``allow_other``), a duplicate of the descriptor we hold does the work.
         """
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise FileChangedError(self.path, "was removed while warming") from None
+            fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            fd = os.dup(self.fd)
         try:
             now = FileIdentity.of(os.fstat(fd))
             if now != self.identity:
-                raise FileChangedError(
-                    self.path, f"changed while warming ({self.identity} -> {now})"
-                )
+                raise FileChangedError(self.path, "changed while warming")
             # Read exactly the planned ranges: kernel readahead would warm neighbours nobody
             # asked for (+57% bytes for 64 KiB spans, research/machine-probes.md 2.3).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -122,62 +132,89 @@ class OpenFile:
             os.close(fd)
 
 
-class FileTable:
-    """Open files by identity, reference-counted by the requests that use them.
+def kernel_name(fd: int) -> str:
+    """The kernel's name for an open descriptor (``/proc/self/fd/N``)."""
+    return os.readlink(f"/proc/self/fd/{fd}")
 
-    Thread-safe: requests are admitted in worker threads (stat and open may block on a
-    network mount) while the event loop releases them.
+
+class FileTable:
+    """Open files by identity, reference-counted by the requests (and grants) using them.
+
+    Thread-safe: descriptors are checked and files opened in worker threads (fstat and
+    open may block on a network mount) while the event loop releases them.
     """
 
-    def __init__(self, allow: tuple[str, ...]) -> None:
+    def __init__(
+        self, allow: tuple[str, ...], *, close: Callable[[int], object] = os.close
+    ) -> None:
         self._roots = tuple(os.path.realpath(root) for root in allow)
         self._files: dict[FileIdentity, OpenFile] = {}
         self._lock = threading.Lock()
+        # How a file's last reference closes it. The daemon closes in a worker thread: a
+        # close() on a FUSE mount waits for its server (FLUSH), which a user may run.
+        self._close = close
+
+    def _allowed(self, name: str) -> bool:
+        return not self._roots or any(
+            name == root or name.startswith(root.rstrip("/") + "/") for root in self._roots
+        )
+
+    def adopt(self, fd: int, label: str) -> OpenFile:
+        """Take ownership of ``fd``, a descriptor a caller opened itself (its proof that it
+        may read the file), and share it by identity. ``label`` names it in refusals (the
+        caller's own name for it). On any refusal ``fd`` is closed."""
+        try:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & _O_PATH or (flags & os.O_ACCMODE) not in (os.O_RDONLY, os.O_RDWR):
+                raise AccessDeniedError(
+                    f"{label}: the descriptor was not opened for reading (flags {flags:#o}); "
+                    "it proves nothing"
+                )
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotARegularFileError(label, "is not a regular file")
+            name = kernel_name(fd)
+            if not self._allowed(name):
+                raise PathNotAllowedError(
+                    label,
+                    f"is {_shown(name)}, outside the allowed roots {list(self._roots)}",
+                )
+        except OSError as exc:
+            os.close(fd)
+            raise lookup_error(label, exc) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._share(fd, name, FileIdentity.of(st))
 
     def acquire(self, path: str) -> OpenFile:
+        """Open ``path`` with the daemon's own credentials: only for a caller that is the
+        daemon's own user (an owner-only socket). The allowed roots are checked on what
+        was opened, not on the name: a symlink swapped in between changes nothing."""
         if not path or not os.path.isabs(path):
             raise InvalidRequestError(f"file {_shown(path)}: paths must be absolute")
         if "\0" in path:
             raise InvalidRequestError(f"file {_shown(path)}: a path cannot contain a NUL byte")
-        real = os.path.realpath(path)
-        if self._roots and not any(
-            os.path.commonpath([real, root]) == root for root in self._roots
-        ):
-            raise PathNotAllowedError(
-                path,
-                f"resolves to {_shown(real)}, outside the allowed roots {list(self._roots)}",
-            )
         try:
-            st = os.stat(real)
+            st = os.stat(path)  # a FIFO or a device is stat'ed, never opened
         except OSError as exc:
             raise lookup_error(path, exc) from None
         if not stat.S_ISREG(st.st_mode):
             raise NotARegularFileError(path, "is not a regular file")
-        identity = FileIdentity.of(st)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            raise lookup_error(path, exc) from None
+        return self.adopt(fd, path)
+
+    def _share(self, fd: int, name: str, identity: FileIdentity) -> OpenFile:
         with self._lock:
             shared = self._files.get(identity)
-            if shared is not None:
-                shared.refs += 1
-                return shared
-        try:
-            fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise lookup_error(path, exc) from None
-        try:
-            opened = FileIdentity.of(os.fstat(fd))
-        except OSError as exc:
-            os.close(fd)
-            raise lookup_error(path, exc) from None
-        if opened != identity:
-            os.close(fd)
-            raise FileChangedError(path, "changed while being opened")
-        with self._lock:
-            shared = self._files.get(identity)  # opened meanwhile by another request
             if shared is not None:
                 os.close(fd)
                 shared.refs += 1
                 return shared
-            file = OpenFile(real, fd, identity)
+            file = OpenFile(name, fd, identity)
             file.refs = 1
             self._files[identity] = file
             return file
@@ -188,7 +225,7 @@ class FileTable:
             if file.refs == 0:
                 if self._files.get(file.identity) is file:
                     del self._files[file.identity]
-                os.close(file.fd)
+                self._close(file.fd)
 
     def forget(self, file: OpenFile) -> None:
         """Stop handing ``file`` out (it changed under us): a later request for the same
@@ -200,7 +237,7 @@ class FileTable:
     def close_all(self) -> None:
         with self._lock:
             for file in self._files.values():
-                os.close(file.fd)
+                self._close(file.fd)
             self._files.clear()
 
     def __len__(self) -> int:
@@ -318,13 +355,38 @@ def _check_work(
         )
 
 
-def admit(request: Any, table: FileTable, config: DaemonConfig) -> AdmittedRequest:
-    """Validate a ``spanwarm.v1.WarmRequest`` and open its files, or raise why not.
+def admit(
+    request: Any,
+    table: FileTable,
+    config: DaemonConfig,
+    granted: list[OpenFile] | None = None,
+) -> AdmittedRequest:
+    """Validate a ``spanwarm.v1.WarmRequest`` and take its files, or raise why not.
 
-    Everything that can be checked without the files is checked first, in exact
-    arithmetic; then the files are opened one by one, and a refusal from here on gives
-    back every file already acquired.
+    ``granted``: the files of the request's grant, one per entry of ``request.files``
+    (their references pass to the request, or are given back on a refusal); None opens
+    the paths by name (the daemon's own user only). Everything that can be checked
+    without the files is checked first, in exact arithmetic; a refusal from then on
+    gives back every file already taken.
     """
+    files = [] if granted is None else list(granted)
+    try:
+        return _admit(request, table, config, files, by_name=granted is None)
+    except BaseException:
+        for file in files:
+            table.release(file)
+        raise
+
+
+def _admit(
+    request: Any, table: FileTable, config: DaemonConfig, files: list[OpenFile], *, by_name: bool
+) -> AdmittedRequest:
+    """``admit`` with ``files``: the granted files, or the list the files opened by name go
+    into (the caller releases whatever it holds on a refusal)."""
+    if not by_name and len(files) != len(request.files):
+        raise InvalidRequestError(
+            f"the request names {len(request.files)} files, its grant {len(files)} descriptors"
+        )
     columns = ("file_index", "offset", "length", "stride", "count", "group_index")
     n = len(request.offset)
     if any(len(getattr(request, c)) != n for c in columns):
@@ -355,28 +417,23 @@ def admit(request: Any, table: FileTable, config: DaemonConfig) -> AdmittedReque
     end = _normalize(offset, length, stride, count)
     _check_work(file_index, offset, end, length, count, config)
 
-    files: list[OpenFile] = []
-    try:
+    if by_name:
         for path in request.files:  # one by one: a refusal releases what was acquired
             files.append(table.acquire(path))  # noqa: PERF401
-        spans: dict[int, SpanTable] = {}
-        span_groups: dict[int, npt.NDArray[np.int64]] = {}
-        for position, file in enumerate(files):
-            mine = file_index == position
-            beyond = np.flatnonzero(mine & (count > 0) & (end > file.size))
-            if beyond.size:
-                i = int(beyond[0])
-                raise SpanOutOfRangeError(
-                    request.files[position],
-                    f"span {i} ends at {int(end[i])}, past the end of the {file.size}-byte file",
-                    offset=int(offset[i]),
-                )
-            spans[position] = SpanTable(offset[mine], length[mine], stride[mine], count[mine])
-            span_groups[position] = group_index[mine]
-    except BaseException:
-        for file in files:
-            table.release(file)
-        raise
+    spans: dict[int, SpanTable] = {}
+    span_groups: dict[int, npt.NDArray[np.int64]] = {}
+    for position, file in enumerate(files):
+        mine = file_index == position
+        beyond = np.flatnonzero(mine & (count > 0) & (end > file.size))
+        if beyond.size:
+            i = int(beyond[0])
+            raise SpanOutOfRangeError(
+                request.files[position],
+                f"span {i} ends at {int(end[i])}, past the end of the {file.size}-byte file",
+                offset=int(offset[i]),
+            )
+        spans[position] = SpanTable(offset[mine], length[mine], stride[mine], count[mine])
+        span_groups[position] = group_index[mine]
     first_span = np.full(len(request.groups), n, dtype=np.int64)
     np.minimum.at(first_span, group_index, np.arange(n, dtype=np.int64))
     return AdmittedRequest(

@@ -65,19 +65,22 @@ class DaemonConfig:
         None,
         flag="--socket-group",
         kind="str",
-        help="group allowed to connect (socket mode 0660); as root this needs allow roots",
+        help="group allowed to connect (socket mode 0660); its members warm only files they "
+        "can open themselves (docs/daemon.md, Security model)",
     )
     listen: str | None = _setting(
         None,
         flag="--listen",
         kind="str",
-        help="also serve on this loopback TCP address (health probes), e.g. 127.0.0.1:7070",
+        help="also serve the gRPC health service, and nothing else, on this loopback TCP "
+        "address (probes), e.g. 127.0.0.1:7070",
     )
     allow: tuple[str, ...] = _setting(
         (),
         flag="--allow",
         kind="paths",
-        help="roots whose files may be warmed, symlinks resolved (empty: any file)",
+        help="roots whose files may be warmed, checked on the kernel's name for each open "
+        "file (empty: any file its caller can read)",
     )
     workers: int = _setting(
         8, flag="--workers", kind="int", help="warm operations in flight at once (threads)"
@@ -126,6 +129,31 @@ class DaemonConfig:
         flag="--max-rows",
         kind="int",
         help="most rows the strided spans of one Warm request may have in total",
+    )
+    user_max_requests: int = _setting(
+        256,
+        flag="--user-max-requests",
+        kind="int",
+        help="most live Warm requests (and unused grants) one uid may have; root and the "
+        "daemon's own user are not limited",
+    )
+    user_max_bytes: int | None = _setting(
+        None,
+        flag="--user-max-bytes",
+        kind="size",
+        help="most bytes the live requests of one uid may name (default: no limit)",
+    )
+    user_max_in_flight: int | None = _setting(
+        None,
+        flag="--user-max-in-flight",
+        kind="int",
+        help="most warm operations one uid's requests may have in flight (default: --workers)",
+    )
+    grant_seconds: float = _setting(
+        30.0,
+        flag="--grant-seconds",
+        kind="float",
+        help="how long a token from the access channel stays valid unused",
     )
     drain_seconds: float = _setting(
         10.0,
@@ -204,6 +232,19 @@ class DaemonConfig:
             value = getattr(self, name)
             if not 1 <= value <= 2**40:  # the bound keeps admission's sums exact in int64
                 raise ConfigError(f"{name}: must be between 1 and 2**40, got {value}")
+        if self.user_max_requests < 1:
+            raise ConfigError(f"user_max_requests: must be >= 1, got {self.user_max_requests}")
+        if self.user_max_bytes is not None and self.user_max_bytes < 1:
+            raise ConfigError(f"user_max_bytes: must be >= 1, got {self.user_max_bytes}")
+        if self.user_max_in_flight is not None and self.user_max_in_flight < 1:
+            raise ConfigError(f"user_max_in_flight: must be >= 1, got {self.user_max_in_flight}")
+        if self.grant_seconds <= 0:
+            raise ConfigError(f"grant_seconds: must be > 0, got {self.grant_seconds}")
+        if len(os.fsencode(self.socket)) + len(".access") > 107:
+            raise ConfigError(
+                f"socket: {self.socket!r} is too long for a Unix socket with its "
+                "'.access' channel beside it (107 bytes in all)"
+            )
         if self.drain_seconds < 0:
             raise ConfigError(f"drain_seconds: must be >= 0, got {self.drain_seconds}")
         if self.throttle_bytes_per_s is not None and self.throttle_bytes_per_s <= 0:
@@ -225,10 +266,6 @@ class DaemonConfig:
             host = self.listen.rsplit(":", 1)[0].strip("[]")
             if host not in ("127.0.0.1", "::1", "localhost"):
                 raise ConfigError(f"listen: {self.listen!r} must be a loopback address")
-        if os.geteuid() == 0 and self.socket_group and not self.allow:
-            raise ConfigError(
-                "socket_group: as root, opening the socket to a group needs allow roots"
-            )
 
 
 def settings() -> list[tuple[str, Setting, Any]]:

@@ -22,9 +22,13 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
   are. Bytes warmed for one request serve every other one that arrived before the read
   completed, so each byte is read once per node; a late arrival re-checks residency
   (where mincore can be trusted) instead of reading again.
-- **Order.** Requests take turns (round robin); each one's cells go in the order its
-  spans came, so every rank's first tensors are warm first. Cells the plan reads that no
-  request needs (bridged gaps, whole files) take the last turn.
+- **Order.** Users (uids) share the workers fairly: the next operation goes to the user
+  the node served least lately (bytes warmed, decaying by half every
+  ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; so one user's
+  flood of streams cannot starve another user's load. Within a user, its requests take
+  turns (round robin); each one's cells go in the order its spans came, so every rank's
+  first tensors are warm first. Cells the plan reads that no request needs (bridged
+  gaps, whole files) take the last turn, in the turns of the users whose files they are.
 - **Faults.** A warm operation that fails is narrowed down page by page
   (:func:`~spanwarm.daemon.warm_engine.bad_pages`): the good bytes count as warm, and
   only the groups with a byte on a bad page fail, with the errno and the first bad offset.
@@ -37,8 +41,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +75,7 @@ __all__ = ["Node"]
 logger = logging.getLogger("spanwarm.daemon")
 
 _PLAN_INLINE = 2_000  # rows a batch may have to be planned on the loop rather than a worker
+USAGE_HALF_LIFE = 10.0  # seconds: how fast a user's past service stops counting against it
 
 
 @dataclass(slots=True)
@@ -229,14 +235,20 @@ class Node:
         self.engine = WarmEngine(
             self.method, chunk_bytes=self.chunk, throttle_bytes_per_s=config.throttle_bytes_per_s
         )
-        self.files = FileTable(config.allow)
+        # A close() may wait on a user's FUSE server: never on the loop.
+        self._close_pool = DaemonThreadPool(2, "spanwarm-close")
+        self.files = FileTable(config.allow, close=self._close_later)
         self.started = time.monotonic()
         self._requests: list[Request] = []
         self._plans: dict[OpenFile, FilePlan] = {}
         self._users: dict[OpenFile, set[Request]] = {}
         self._cells: dict[CellKey, Cell] = {}
         self._background: dict[OpenFile, _CellQueue] = {}
-        self._turn = 0
+        # Root and the daemon's own user are trusted: no per-user caps.
+        self.trusted_uids = frozenset({0, os.geteuid()})
+        self._turns: dict[int, int] = {}  # per uid: whose turn among its requests
+        self._usage: dict[int, tuple[float, float]] = {}  # uid -> (decayed bytes, as of)
+        self._user_in_flight: collections.Counter[int] = collections.Counter()
         self._in_flight = 0
         self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
         # Admission stats and opens files (which may block on a mount) and indexes spans;
@@ -269,6 +281,12 @@ class Node:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def _close_later(self, fd: int) -> None:
+        try:
+            self._close_pool.submit(os.close, fd)
+        except RuntimeError:  # shut down: we are exiting
+            os.close(fd)
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._dispatcher = loop.create_task(self._dispatch(), name="dispatch")
@@ -291,16 +309,20 @@ class Node:
 
     # -- the memory budget -----------------------------------------------------------------
 
-    def consumed(self, request_id: int, groups: Iterable[int]) -> bool:
+    def request(self, request_id: int) -> Request | None:
+        """The live request with this id (None if it has ended or never was)."""
+        return next((r for r in self._requests if r.id == request_id), None)
+
+    def user_bytes(self, uid: int) -> int:
+        """Bytes the live requests of ``uid`` name."""
+        return sum(r.nbytes for r in self._requests if r.uid == uid)
+
+    def consumed(self, request: Request, groups: Iterable[int]) -> None:
         """A rank read these groups: cells nobody else holds stop counting against the budget."""
-        request = next((r for r in self._requests if r.id == request_id), None)
-        if request is None:
-            return False
         for key in request.consume(groups):
             self._unhold(key, request)
             self._release_if_free(key)
             self._wake.set()  # even if another rank still holds the cell: this one may go on
-        return True
 
     def _hold(self, key: CellKey, request: Request) -> None:
         self._holders.setdefault(key, {})[request] = time.monotonic()
@@ -361,6 +383,7 @@ class Node:
                 unmap(addr, length)
         self._mappings.clear()
         self.files.close_all()
+        self._close_pool.shutdown(wait=False)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -410,6 +433,8 @@ class Node:
             return
         self._requests.remove(request)
         request.active = False
+        if not any(r.uid == request.uid for r in self._requests):
+            self._turns.pop(request.uid, None)
         for key in request.cells:
             cell = self._cells.get(key)
             if cell is not None:
@@ -528,30 +553,67 @@ class Node:
         done = _union([*_since(cell.warm, since), *_since(cell.bad, failed_since)])
         return _subtract(self._planned(key, lo, hi), done)
 
-    def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range]] | None:
-        """The next cell to warm: requests take turns, background cells go last.
+    def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range], int] | None:
+        """The next cell to warm, and the uid whose turn it is: the user served least
+        lately goes first (see Order, above), within its cap on operations in flight."""
+        users: dict[int, list[Request]] = {}
+        for r in self._requests:
+            if r.active:
+                users.setdefault(r.uid, []).append(r)
+        now = time.monotonic()
+        order = sorted(users, key=lambda u: (self._usage_of(u, now), self._user_in_flight[u], u))
+        for uid in order:
+            if self._user_in_flight[uid] >= self._in_flight_cap(uid):
+                continue
+            item = self._next_of(uid, users[uid], over_budget)
+            if item is not None:
+                return (*item, uid)
+        return None
 
-        Until every request's first tensor is ready, only cells of first tensors go: each
-        rank is blocked on its first tensor, and sharing the storage with reads for later
-        tensors would only delay it. Over the budget, only a cell that
+    def _in_flight_cap(self, uid: int) -> int:
+        cap = self.config.user_max_in_flight
+        if cap is None or uid in self.trusted_uids:
+            return self.config.workers
+        return cap
+
+    def _usage_of(self, uid: int, now: float) -> float:
+        value, since = self._usage.get(uid, (0.0, now))
+        return float(value * 0.5 ** ((now - since) / USAGE_HALF_LIFE))
+
+    def _used(self, uid: int, nbytes: int) -> None:
+        now = time.monotonic()
+        self._usage[uid] = (self._usage_of(uid, now) + nbytes, now)
+        if len(self._usage) > 4 * len(self._requests) + 64:  # forget users long gone
+            for gone in [u for u in self._usage if self._usage_of(u, now) < 1.0]:
+                del self._usage[gone]
+
+    def _next_of(
+        self, uid: int, requests: list[Request], over_budget: bool
+    ) -> tuple[CellKey, list[Range]] | None:
+        """The next cell among one user's requests: they take turns, background cells of
+        their files go last.
+
+        Until every one of its requests' first tensor is ready, only cells of first tensors
+        go: each rank is blocked on its first tensor, and sharing the storage with reads
+        for later tensors would only delay it. Over the budget, only a cell that
         ``Request.may_exceed_budget`` allows still goes.
         """
-        active = [r for r in self._requests if r.active]
         # Ranks still waiting for their first tensor, and able to start a read for it: one
         # whose first-tensor reads are all in flight (or hung) holds nobody back.
         starting = {
             r
-            for r in active
+            for r in requests
             if r.groups and r.state[0] == PENDING and self._first_tensor_cell(r, False) is not None
         }
-        participants: list[Request | None] = [*active, None]
+        participants: list[Request | None] = [*requests, None]
+        turn = self._turns.get(uid, 0)
         for step in range(len(participants)):
-            who = participants[(self._turn + step) % len(participants)]
+            who = participants[(turn + step) % len(participants)]
             if who is None and (over_budget or starting):
                 continue
             if starting and who not in starting:
                 continue
-            queue = self._background_queue() if who is None else who.queue
+            queue = self._background_queue(requests) if who is None else who.queue
             tried: set[CellKey] = set()
             while queue is not None and queue:
                 key = queue.popleft()
@@ -582,7 +644,7 @@ class Node:
                     if who is not None:
                         self._settle(key)
                     continue
-                self._turn = (self._turn + step + 1) % len(participants)
+                self._turns[uid] = (turn + step + 1) % len(participants)
                 return key, ranges
         return None
 
@@ -608,15 +670,17 @@ class Node:
             return key
         return None
 
-    def _background_queue(self) -> _CellQueue | None:
-        """The first file's queue of cells only the plan needs (None when there are none,
-        or when the plan exceeds the budget: then only what ranks need is warmed)."""
+    def _background_queue(self, requests: list[Request]) -> _CellQueue | None:
+        """The first queue of cells only the plan needs, in a file these requests name
+        (None when there are none, or when the plan exceeds the budget: then only what
+        ranks need is warmed)."""
         if self._planned_bytes() > self.budget:
             return None
         for file, queue in list(self._background.items()):
-            if queue:
+            if not queue:
+                del self._background[file]
+            elif any(file in r.files for r in requests):
                 return queue
-            del self._background[file]
         return None
 
     # -- warming ---------------------------------------------------------------------------
@@ -630,15 +694,16 @@ class Node:
                 item = self._next(over_budget=self._budget_blocked)
                 if item is None:
                     break
-                key, ranges = item
+                key, ranges, uid = item
                 self._cells[key].in_flight = True
                 self._in_flight += 1
+                self._user_in_flight[uid] += 1
                 self._in_flight_bytes += sum(b - a for a, b in ranges)
-                task = asyncio.get_running_loop().create_task(self._warm(key, ranges))
+                task = asyncio.get_running_loop().create_task(self._warm(key, ranges, uid))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _warm(self, key: CellKey, ranges: list[Range]) -> None:
+    async def _warm(self, key: CellKey, ranges: list[Range], uid: int) -> None:
         file = key[0]
         loop = asyncio.get_running_loop()
         started = time.monotonic()
@@ -668,12 +733,16 @@ class Node:
             self.metrics.add(self.metrics.resident, outcome.verified)
             self.metrics.add(self.metrics.latency, done - started)
             self._recent.append((done, outcome.read + outcome.verified))
+            self._used(uid, outcome.read + outcome.verified)
             if outcome.bad:
                 self._fail_ranges(key, outcome.bad)
                 warmed_cell.bad += tuple((b.start, b.stop, done) for b in outcome.bad)
             self._settle(key)
         finally:
             self._in_flight -= 1
+            self._user_in_flight[uid] -= 1
+            if not self._user_in_flight[uid]:
+                del self._user_in_flight[uid]
             self._in_flight_bytes -= sum(b - a for a, b in ranges)
             cell = self._cells.get(key)
             if cell is not None:
@@ -803,7 +872,9 @@ class Node:
 
     # -- status ------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self, visible: Callable[[Request], bool] | None = None) -> dict[str, Any]:
+        """The node's state. With ``visible``, only the ranks it accepts are listed, and
+        only the files they name; the totals are the node's."""
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - 5.0:
             self._recent.popleft()
@@ -814,11 +885,14 @@ class Node:
         warm_by_file: dict[OpenFile, list[Range]] = {}
         for (file, _), cell in self._cells.items():
             warm_by_file.setdefault(file, []).extend((a, b) for a, b, _ in cell.warm)
+        shown = [r for r in self._requests if visible is None or visible(r)]
+        named = {f for r in shown for f in r.files}
         for file, plan in self._plans.items():
             file_warm = _overlap(_union(warm_by_file.get(file, ())), plan.runs)
             planned += plan.warm_bytes
             warm += file_warm
-            files.append({**plan.to_json(), "warm_now_bytes": file_warm})
+            if visible is None or file in named:
+                files.append({**plan.to_json(), "warm_now_bytes": file_warm})
         ranks = [
             {
                 "job": r.job,
@@ -830,7 +904,7 @@ class Node:
                 "bytes_ready": int(r.group_bytes[r.state == READY].sum()),
                 "age_s": now - r.arrival,
             }
-            for r in self._requests
+            for r in shown
         ]
         left = planned - warm
         return {

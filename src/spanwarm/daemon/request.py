@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ class Request:
 
     def __init__(self, admitted: AdmittedRequest, chunk: int) -> None:
         self.id = next(self._ids)
+        self.uid = os.geteuid()  # who asked (the service sets it from the caller's grant)
+        self.token = ""  # the grant token its Warm call spent ("" when opened by name)
         self.job = admitted.job
         self.rank = admitted.rank
         self.groups = admitted.groups

@@ -1,7 +1,10 @@
 """The daemon's lifecycle: bind, serve, drain on SIGTERM within a bound, shut down.
 
-The Unix socket is created under a restrictive umask, so it is never more open than
-0600 (0660 once handed to ``--socket-group``). The gRPC health service goes
+The Unix sockets (gRPC, and the access channel beside it) are created under a
+restrictive umask, so they are never more open than 0600 (0660 once handed to
+``--socket-group``), in a directory no other user controls (else the daemon refuses to
+start: exit 2). ``--listen`` is a second gRPC server on loopback TCP with the health
+service only: TCP cannot say who is calling. The gRPC health service goes
 NOT_SERVING first on shutdown, open streams get ``drain_seconds`` to finish, then the
 server stops (1 s grace) and the node closes without waiting for warm operations still
 running: a read hung in the storage cannot hold the exit, which comes within
@@ -21,16 +24,18 @@ import socket
 import stat
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from spanwarm.daemon.access import AccessServer
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.grants import Grants
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.notify import notify
 from spanwarm.daemon.service import WARMER, WarmerService
+from spanwarm.endpoint import access_socket_path, private_directory
 from spanwarm.errors import SpanwarmError
 
 __all__ = ["StartupError", "run", "serve"]
@@ -51,16 +56,30 @@ class StartupError(SpanwarmError):
     """The daemon cannot start: one line says why."""
 
 
+class UnsafeSocketError(StartupError):
+    """The socket's place is controlled by another user (exit status 2)."""
+
+
 def _prepare_socket_path(path: str) -> None:
-    """Create the socket's directory; refuse a live daemon; clear a stale socket."""
-    parent = Path(path).parent
-    if not parent.exists():
-        # /run/spanwarm must let group members reach the socket; a private dir need not.
-        parent.mkdir(mode=0o755 if os.geteuid() == 0 else 0o700, parents=True)
+    """Create the socket's directory (0755 as root: group members must reach the socket;
+    0700 otherwise), refuse one another user controls, refuse a live daemon, clear a
+    stale socket."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if reason := private_directory(parent, 0o755 if os.geteuid() == 0 else 0o700):
+        raise UnsafeSocketError(f"refusing to serve in {parent}: {reason}")
+    for name in (path, access_socket_path(path)):
+        if not os.path.lexists(name):
+            continue
+        st = os.lstat(name)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise StartupError(f"{name} exists and is not a socket; refusing to replace it")
+        if st.st_uid not in (0, os.geteuid()):
+            raise UnsafeSocketError(
+                f"refusing to serve on {name}: it belongs to uid {st.st_uid} "
+                f"(mode {stat.S_IMODE(st.st_mode):04o})"
+            )
     if not os.path.lexists(path):
         return
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(path)
@@ -70,48 +89,65 @@ def _prepare_socket_path(path: str) -> None:
     raise StartupError(f"another daemon is already serving on {path}")
 
 
-def _open_to_group(path: str, group: str) -> None:
+def _open_to_group(paths: tuple[str, ...], group: str) -> None:
     try:
         gid = grp.getgrnam(group).gr_gid
     except KeyError:
         raise StartupError(f"--socket-group {group!r}: no such group") from None
-    os.chown(path, -1, gid)
-    os.chmod(path, 0o660)
+    for path in paths:
+        os.chown(path, -1, gid)
+        os.chmod(path, 0o660)
 
 
 async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = None) -> int:
     """Serve until SIGTERM or SIGINT; return the exit status."""
+    _prepare_socket_path(config.socket)
     node = Node(config)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-            *_KEEPALIVE_OPTIONS,
-        ]
+    grants = Grants(
+        node.files,
+        ttl=config.grant_seconds,
+        max_per_uid=config.user_max_requests,
+        exempt=node.trusted_uids,
     )
-    service = WarmerService(node, config)
+    access = AccessServer(
+        access_socket_path(config.socket), node.files, grants, max_files=config.max_files
+    )
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        *_KEEPALIVE_OPTIONS,
+    ]
+    server = grpc.aio.server(options=options)
+    service = WarmerService(node, config, grants)
     server.add_generic_rpc_handlers([service.handler()])
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(
         (WARMER, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    probes = None
+    if config.listen:  # health only: anyone on the host can reach a TCP port
+        probes = grpc.aio.server(options=options)
+        health_pb2_grpc.add_HealthServicer_to_server(health_service, probes)
+        if not probes.add_insecure_port(config.listen):
+            raise StartupError(f"cannot listen on {config.listen}")
 
-    _prepare_socket_path(config.socket)
     previous = os.umask(0o177)  # the socket is born 0600: no window between bind and chmod
     try:
         if not server.add_insecure_port(f"unix:{config.socket}"):
             raise StartupError(f"cannot bind {config.socket}")
-        if config.listen and not server.add_insecure_port(config.listen):
-            raise StartupError(f"cannot listen on {config.listen}")
         await server.start()
     finally:
         os.umask(previous)
+    access.start()
+    if probes is not None:
+        await probes.start()
     if config.socket_group:
-        _open_to_group(config.socket, config.socket_group)
+        _open_to_group((config.socket, access.path), config.socket_group)
     if config.metrics:
         node.metrics.serve(config.metrics)
     node.start()
+    expiry = asyncio.get_running_loop().create_task(_expire_grants(grants), name="grants")
     for name in ("", WARMER):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -148,7 +184,12 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
             service.streams,
             config.drain_seconds,
         )
-    await server.stop(grace=1.0)
+    await access.close()
+    await asyncio.gather(
+        server.stop(grace=1.0), *(() if probes is None else (probes.stop(grace=1.0),))
+    )
+    expiry.cancel()
+    grants.close()
     await node.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(config.socket)
@@ -156,6 +197,12 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         loop.remove_signal_handler(signum)
     logger.info("stopped")
     return 0
+
+
+async def _expire_grants(grants: Grants) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        grants.expire()
 
 
 def run(config: DaemonConfig) -> int:

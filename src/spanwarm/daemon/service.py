@@ -1,5 +1,11 @@
 """The gRPC servicer: decodes requests, hands them to the node, encodes what comes back.
 
+Who is calling comes from the call's token (:mod:`spanwarm.daemon.grants`): a ``Warm``
+spends a grant and warms exactly the files it proved, ``Consumed`` needs the token of
+its request's own ``Warm``, and ``Status`` shows a caller other than root or the
+daemon's user its own ranks only. Without a token, only an owner-only socket (mode
+0600: nobody but the daemon's user and root can connect) is served, as that user.
+
 Every call ends with a documented status code (docs/daemon.md): a message that does not
 decode is INVALID_ARGUMENT, a refusal carries its :mod:`spanwarm.errors` code, and an
 unexpected exception is INTERNAL, logged with its traceback, the node left consistent
@@ -15,7 +21,8 @@ import contextlib
 import ctypes
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -26,11 +33,18 @@ from google.protobuf.message import DecodeError
 
 from spanwarm import __version__
 from spanwarm.costmodel import FilePlan
-from spanwarm.daemon.admission import admit
+from spanwarm.daemon.admission import OpenFile, admit
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.grants import Grant, Grants, same_token
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.request import FAILED, READY, Event, Request
-from spanwarm.errors import CheckpointError, InvalidRequestError, SpanwarmError
+from spanwarm.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    RequestTooLargeError,
+    SpanwarmError,
+    UnauthenticatedError,
+)
 from spanwarm.rpc.v1 import warmer_pb2
 
 __all__ = ["HEARTBEAT_SECONDS", "WARMER", "WarmerService"]
@@ -109,16 +123,17 @@ def _decode(cls: Any, data: bytes) -> Any:
         raise InvalidRequestError(f"not a valid {cls.DESCRIPTOR.name}: {exc}") from None
 
 
-def _decode_consumed(data: bytes) -> tuple[int, npt.NDArray[np.int64]]:
+def _decode_consumed(data: bytes) -> tuple[int, npt.NDArray[np.int64], str]:
     request = _decode(warmer_pb2.ConsumedRequest, data)
     groups = np.fromiter(request.groups, dtype=np.int64, count=len(request.groups))
-    return request.request_id, groups
+    return request.request_id, groups, request.token
 
 
 class WarmerService:
-    def __init__(self, node: Node, config: DaemonConfig) -> None:
+    def __init__(self, node: Node, config: DaemonConfig, grants: Grants) -> None:
         self.node = node
         self.config = config
+        self.grants = grants
         self.draining = False
         self.stopping = asyncio.Event()
         self.streams = 0
@@ -153,29 +168,63 @@ class WarmerService:
         self.node.metrics.add(self.node.metrics.errors, 1, code)
         await context.abort(grpc.StatusCode[code], _details(text))
 
+    def owner_only(self) -> bool:
+        """True when nobody but the daemon's own user (and root) can connect: no socket
+        group, and the socket's mode gives the group and others nothing (checked on
+        every call: an operator's chmod counts at once)."""
+        if self.config.socket_group:
+            return False
+        try:
+            return not os.stat(self.config.socket).st_mode & 0o077
+        except OSError:
+            return False
+
+    def _unproven(self, what: str) -> UnauthenticatedError:
+        return UnauthenticatedError(
+            f"{what} needs a token: this socket is shared, so callers prove which files they "
+            f"may read by passing their descriptors on {self.config.socket}.access "
+            "(spanwarm.client does this)"
+        )
+
     async def Warm(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        grant: Grant | None = None
         try:
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
-            live = None
-            # Decoding 100k spans takes milliseconds, stat/open may block on a network
-            # mount, and 1M spans take a while to index: all of it off the loop.
-            job = self.node.admission_pool.submit(self._admit, data)
-            admission = asyncio.wrap_future(job)
-            try:
-                while not admission.done():
-                    await asyncio.wait([admission], timeout=HEARTBEAT_SECONDS)
-                    if not admission.done():
+            # Decoding 100k spans takes milliseconds, open may block on a network mount,
+            # and 1M spans take a while to index: all of it off the loop.
+            request: Any = None
+            async with contextlib.aclosing(
+                self._off_loop(_decode, warmer_pb2.WarmRequest, data)
+            ) as beats:
+                async for beat in beats:
+                    if beat is None:
                         yield self._heartbeat()
-                live = admission.result()
-            finally:
-                if live is None:  # refused, or the client left: give back what was opened
-                    job.cancel()  # not started yet: it never runs
-                    job.add_done_callback(self._abandon)
-                    admission.add_done_callback(_retrieved)
+                    request = beat
+            if request.token:
+                grant = self.grants.spend(request.token)
+                try:
+                    self._check_user_bytes(grant.peer.uid, request)
+                except BaseException:
+                    for file in grant.files:
+                        self.node.files.release(file)
+                    raise
+            elif not self.owner_only():
+                raise self._unproven("Warm")
+            live = None
+            async with contextlib.aclosing(self._admission(request, grant)) as beats:
+                async for beat in beats:
+                    if beat is None:
+                        yield self._heartbeat()
+                    live = beat
+            assert live is not None
         except (asyncio.CancelledError, grpc.aio.AbortError):
+            if grant is not None:
+                self.grants.finished(grant)
             raise
         except Exception as exc:
+            if grant is not None:
+                self.grants.finished(grant)
             if isinstance(exc, SpanwarmError):
                 logger.info("refused a request: %s", exc)
             await self._refuse(context, exc)
@@ -183,6 +232,9 @@ class WarmerService:
         self.streams += 1
         self.idle.clear()
         try:
+            if grant is not None:
+                live.uid, live.token = grant.peer.uid, grant.token
+                self._check_user_bytes(live.uid, live)
             async for message in self._serve(live):
                 yield message
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -191,11 +243,65 @@ class WarmerService:
             await self._refuse(context, exc)
         finally:
             self.node.release(live)
+            if grant is not None:
+                self.grants.finished(grant)
             self.streams -= 1
             if not self.streams:
                 self.idle.set()
             if live.spans > _LARGE:
                 self._trim_soon()
+
+    def _check_user_bytes(self, uid: int, request: Any) -> None:
+        """Refuse a request that takes its uid past ``--user-max-bytes`` (a decoded
+        request is checked by the bytes it names, an admitted one again, exactly)."""
+        cap = self.config.user_max_bytes
+        if cap is None or uid in self.node.trusted_uids:
+            return
+        if isinstance(request, Request):
+            mine = request.nbytes
+        else:  # an upper bound before admission: lengths x counts, as sent
+            mine = sum(a * b for a, b in zip(request.length, request.count, strict=False))
+        if self.node.user_bytes(uid) + mine > cap:
+            raise RequestTooLargeError(
+                f"uid {uid}'s live requests would name more than {cap} bytes (--user-max-bytes)"
+            )
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> AsyncGenerator[Any, None]:
+        """Run ``fn`` in an admission thread; yield None every heartbeat interval while it
+        runs, then its result."""
+        job = asyncio.wrap_future(self.node.admission_pool.submit(fn, *args))
+        try:
+            while not job.done():
+                await asyncio.wait([job], timeout=HEARTBEAT_SECONDS)
+                if not job.done():
+                    yield None
+            yield job.result()
+        finally:
+            if not job.done():
+                job.cancel()
+                job.add_done_callback(_retrieved)
+
+    async def _admission(self, request: Any, grant: Grant | None) -> AsyncGenerator[Any, None]:
+        """Admit a decoded request in an admission thread (as ``_off_loop``). If the
+        client leaves first, whatever it was admitted with is given back."""
+        granted = None if grant is None else grant.files
+        job = self.node.admission_pool.submit(self._admit, request, granted)
+        admission = asyncio.wrap_future(job)
+        live = None
+        try:
+            while not admission.done():
+                await asyncio.wait([admission], timeout=HEARTBEAT_SECONDS)
+                if not admission.done():
+                    yield None
+            live = admission.result()
+            yield live
+        finally:
+            if live is None:  # refused, or the client left: give back what was taken
+                if job.cancel():  # not started: it never runs; the grant's files are ours
+                    for file in granted or ():
+                        self.node.files.release(file)
+                job.add_done_callback(self._abandon)
+                admission.add_done_callback(_retrieved)
 
     def _trim_soon(self) -> None:
         """Collect and trim the heap once this request's frame has let go of it (one trim
@@ -267,9 +373,8 @@ class WarmerService:
             for file in job.result().acquired:
                 self.node.files.release(file)
 
-    def _admit(self, data: bytes) -> Request:
-        request = _decode(warmer_pb2.WarmRequest, data)
-        admitted = admit(request, self.node.files, self.config)
+    def _admit(self, request: Any, granted: list[OpenFile] | None) -> Request:
+        admitted = admit(request, self.node.files, self.config, granted)
         try:
             live = Request(admitted, self.node.chunk)
         except BaseException:  # MemoryError, a bug: the files go back all the same
@@ -286,21 +391,38 @@ class WarmerService:
 
     async def _consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         if len(data) > _DECODE_INLINE:  # a huge report: decode it off the loop
-            request_id, groups = await asyncio.get_running_loop().run_in_executor(
+            request_id, groups, token = await asyncio.get_running_loop().run_in_executor(
                 self.node.admission_pool, _decode_consumed, data
             )
         else:
-            request_id, groups = _decode_consumed(data)
-        if not self.node.consumed(request_id, groups):
+            request_id, groups, token = _decode_consumed(data)
+        request = self.node.request(request_id)
+        # A request answers to the token its Warm spent; one admitted by name (no token)
+        # to calls on an owner-only socket. Anything else looks exactly like no request.
+        if request is None or not (
+            same_token(request.token, token) if request.token else not token and self.owner_only()
+        ):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request {request_id}")
+        assert request is not None  # abort raised otherwise
+        self.node.consumed(request, groups)
         return warmer_pb2.ConsumedReply()
 
     async def Status(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         return await self._unary(context, self._status, data)
 
     async def _status(self, data: bytes) -> Any:
-        _decode(warmer_pb2.StatusRequest, data)
-        status = self.node.status()
+        token = _decode(warmer_pb2.StatusRequest, data).token
+        if token:
+            uid = self.grants.uid_of(token)
+            if uid is None:
+                raise UnauthenticatedError(
+                    "Status: no live token like this one (unknown, or lapsed): ask the "
+                    "access channel for a new one, or call without a token for node totals"
+                )
+            everything = uid in self.node.trusted_uids
+        else:
+            uid, everything = None, self.owner_only()
+        status = self.node.status(None if everything else lambda r: r.uid == uid)
         return _message(
             warmer_pb2.StatusReply,
             {

@@ -83,7 +83,7 @@ def spawn_daemon(
                 process.kill()
                 process.wait()
         listener.close()
-        for name in (notify_path, sock):
+        for name in (notify_path, sock, sock + ".access"):
             if os.path.lexists(name) and name.startswith(directory):
                 os.unlink(name)
         os.rmdir(directory)

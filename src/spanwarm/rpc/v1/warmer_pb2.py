@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspanwarm/rpc/v1/warmer.proto\x12\x0bspanwarm.v1\"\xaf\x01\n\x0bWarmRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x0e\n\x06groups\x18\x04 \x03(\t\x12\x12\n\nfile_index\x18\x05 \x03(\r\x12\x0e\n\x06offset\x18\x06 \x03(\x04\x12\x0e\n\x06length\x18\x07 \x03(\x04\x12\x0e\n\x06stride\x18\x08 \x03(\x04\x12\r\n\x05\x63ount\x18\t \x03(\x04\x12\x13\n\x0bgroup_index\x18\n \x03(\r\"\xa6\x01\n\x08\x46ilePlan\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x04\x12\x10\n\x08num_runs\x18\x04 \x01(\r\x12\x12\n\ncost_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x64\x65\x63ision\x18\x06 \x01(\t\x12\x12\n\nwarm_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ewarm_now_bytes\x18\x08 \x01(\x04\"p\n\x04Plan\x12\x15\n\rrequest_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fseek_cost_bytes\x18\x02 \x01(\x04\x12$\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"\x17\n\x05Ready\x12\x0e\n\x06groups\x18\x01 \x03(\r\"6\n\x06\x46\x61iled\x12\x0e\n\x06groups\x18\x01 \x03(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x04\x44one\x12\r\n\x05ready\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\"2\n\tHeartbeat\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\"\xd3\x01\n\tWarmEvent\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x11.spanwarm.v1.PlanH\x00\x12#\n\x05ready\x18\x02 \x01(\x0b\x32\x12.spanwarm.v1.ReadyH\x00\x12%\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x13.spanwarm.v1.FailedH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.spanwarm.v1.DoneH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.spanwarm.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"5\n\x0f\x43onsumedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0e\n\x06groups\x18\x02 \x03(\r\"\x0f\n\rConsumedReply\"\x0f\n\rStatusRequest\"\xa1\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06groups\x18\x03 \x01(\r\x12\x14\n\x0cgroups_ready\x18\x04 \x01(\r\x12\x15\n\rgroups_failed\x18\x05 \x01(\r\x12\x17\n\x0f\x62ytes_requested\x18\x06 \x01(\x04\x12\x13\n\x0b\x62ytes_ready\x18\x07 \x01(\x04\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\xe9\x03\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x17\n\x0fseek_cost_bytes\x18\x05 \x01(\x04\x12&\n\x05ranks\x18\x06 \x03(\x0b\x32\x17.spanwarm.v1.RankStatus\x12$\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x17\n\x0f\x62ytes_requested\x18\x08 \x01(\x04\x12\x15\n\rbytes_planned\x18\t \x01(\x04\x12\x12\n\nbytes_warm\x18\n \x01(\x04\x12\x18\n\x10\x62ytes_read_total\x18\x0b \x01(\x04\x12\x1c\n\x14\x62ytes_verified_total\x18\x0c \x01(\x04\x12\x1e\n\x16throughput_bytes_per_s\x18\r \x01(\x01\x12\r\n\x05\x65ta_s\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\r\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12\x14\n\x0c\x62udget_bytes\x18\x11 \x01(\x04\x12\x12\n\nheld_bytes\x18\x12 \x01(\x04\x12\x1a\n\x12waiting_for_budget\x18\x13 \x01(\r\x12\x16\n\x0ewaiting_reason\x18\x14 \x01(\t2\xca\x01\n\x06Warmer\x12:\n\x04Warm\x12\x18.spanwarm.v1.WarmRequest\x1a\x16.spanwarm.v1.WarmEvent0\x01\x12>\n\x06Status\x12\x1a.spanwarm.v1.StatusRequest\x1a\x18.spanwarm.v1.StatusReply\x12\x44\n\x08\x43onsumed\x12\x1c.spanwarm.v1.ConsumedRequest\x1a\x1a.spanwarm.v1.ConsumedReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspanwarm/rpc/v1/warmer.proto\x12\x0bspanwarm.v1\"\xbe\x01\n\x0bWarmRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x0e\n\x06groups\x18\x04 \x03(\t\x12\x12\n\nfile_index\x18\x05 \x03(\r\x12\x0e\n\x06offset\x18\x06 \x03(\x04\x12\x0e\n\x06length\x18\x07 \x03(\x04\x12\x0e\n\x06stride\x18\x08 \x03(\x04\x12\r\n\x05\x63ount\x18\t \x03(\x04\x12\x13\n\x0bgroup_index\x18\n \x03(\r\x12\r\n\x05token\x18\x0b \x01(\t\"\xa6\x01\n\x08\x46ilePlan\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x04\x12\x10\n\x08num_runs\x18\x04 \x01(\r\x12\x12\n\ncost_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x64\x65\x63ision\x18\x06 \x01(\t\x12\x12\n\nwarm_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ewarm_now_bytes\x18\x08 \x01(\x04\"p\n\x04Plan\x12\x15\n\rrequest_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fseek_cost_bytes\x18\x02 \x01(\x04\x12$\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"\x17\n\x05Ready\x12\x0e\n\x06groups\x18\x01 \x03(\r\"6\n\x06\x46\x61iled\x12\x0e\n\x06groups\x18\x01 \x03(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x04\x44one\x12\r\n\x05ready\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\"2\n\tHeartbeat\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\"\xd3\x01\n\tWarmEvent\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x11.spanwarm.v1.PlanH\x00\x12#\n\x05ready\x18\x02 \x01(\x0b\x32\x12.spanwarm.v1.ReadyH\x00\x12%\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x13.spanwarm.v1.FailedH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.spanwarm.v1.DoneH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.spanwarm.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"D\n\x0f\x43onsumedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0e\n\x06groups\x18\x02 \x03(\r\x12\r\n\x05token\x18\x03 \x01(\t\"\x0f\n\rConsumedReply\"\x1e\n\rStatusRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\xa1\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06groups\x18\x03 \x01(\r\x12\x14\n\x0cgroups_ready\x18\x04 \x01(\r\x12\x15\n\rgroups_failed\x18\x05 \x01(\r\x12\x17\n\x0f\x62ytes_requested\x18\x06 \x01(\x04\x12\x13\n\x0b\x62ytes_ready\x18\x07 \x01(\x04\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\xe9\x03\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x17\n\x0fseek_cost_bytes\x18\x05 \x01(\x04\x12&\n\x05ranks\x18\x06 \x03(\x0b\x32\x17.spanwarm.v1.RankStatus\x12$\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x17\n\x0f\x62ytes_requested\x18\x08 \x01(\x04\x12\x15\n\rbytes_planned\x18\t \x01(\x04\x12\x12\n\nbytes_warm\x18\n \x01(\x04\x12\x18\n\x10\x62ytes_read_total\x18\x0b \x01(\x04\x12\x1c\n\x14\x62ytes_verified_total\x18\x0c \x01(\x04\x12\x1e\n\x16throughput_bytes_per_s\x18\r \x01(\x01\x12\r\n\x05\x65ta_s\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\r\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12\x14\n\x0c\x62udget_bytes\x18\x11 \x01(\x04\x12\x12\n\nheld_bytes\x18\x12 \x01(\x04\x12\x1a\n\x12waiting_for_budget\x18\x13 \x01(\r\x12\x16\n\x0ewaiting_reason\x18\x14 \x01(\t\"1\n\x0cGrantRequest\x12\x13\n\x0b\x64\x65scriptors\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\x08\"L\n\nGrantReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x11\n\texpires_s\x18\x02 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t2\xca\x01\n\x06Warmer\x12:\n\x04Warm\x12\x18.spanwarm.v1.WarmRequest\x1a\x16.spanwarm.v1.WarmEvent0\x01\x12>\n\x06Status\x12\x1a.spanwarm.v1.StatusRequest\x1a\x18.spanwarm.v1.StatusReply\x12\x44\n\x08\x43onsumed\x12\x1c.spanwarm.v1.ConsumedRequest\x1a\x1a.spanwarm.v1.ConsumedReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spanwarm.rpc.v1.warmer_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WARMREQUEST']._serialized_start=46
-  _globals['_WARMREQUEST']._serialized_end=221
-  _globals['_FILEPLAN']._serialized_start=224
-  _globals['_FILEPLAN']._serialized_end=390
-  _globals['_PLAN']._serialized_start=392
-  _globals['_PLAN']._serialized_end=504
-  _globals['_READY']._serialized_start=506
-  _globals['_READY']._serialized_end=529
-  _globals['_FAILED']._serialized_start=531
-  _globals['_FAILED']._serialized_end=585
-  _globals['_DONE']._serialized_start=587
-  _globals['_DONE']._serialized_end=624
-  _globals['_HEARTBEAT']._serialized_start=626
-  _globals['_HEARTBEAT']._serialized_end=676
-  _globals['_WARMEVENT']._serialized_start=679
-  _globals['_WARMEVENT']._serialized_end=890
-  _globals['_CONSUMEDREQUEST']._serialized_start=892
-  _globals['_CONSUMEDREQUEST']._serialized_end=945
-  _globals['_CONSUMEDREPLY']._serialized_start=947
-  _globals['_CONSUMEDREPLY']._serialized_end=962
-  _globals['_STATUSREQUEST']._serialized_start=964
-  _globals['_STATUSREQUEST']._serialized_end=979
-  _globals['_RANKSTATUS']._serialized_start=982
-  _globals['_RANKSTATUS']._serialized_end=1143
-  _globals['_STATUSREPLY']._serialized_start=1146
-  _globals['_STATUSREPLY']._serialized_end=1635
-  _globals['_WARMER']._serialized_start=1638
-  _globals['_WARMER']._serialized_end=1840
+  _globals['_WARMREQUEST']._serialized_end=236
+  _globals['_FILEPLAN']._serialized_start=239
+  _globals['_FILEPLAN']._serialized_end=405
+  _globals['_PLAN']._serialized_start=407
+  _globals['_PLAN']._serialized_end=519
+  _globals['_READY']._serialized_start=521
+  _globals['_READY']._serialized_end=544
+  _globals['_FAILED']._serialized_start=546
+  _globals['_FAILED']._serialized_end=600
+  _globals['_DONE']._serialized_start=602
+  _globals['_DONE']._serialized_end=639
+  _globals['_HEARTBEAT']._serialized_start=641
+  _globals['_HEARTBEAT']._serialized_end=691
+  _globals['_WARMEVENT']._serialized_start=694
+  _globals['_WARMEVENT']._serialized_end=905
+  _globals['_CONSUMEDREQUEST']._serialized_start=907
+  _globals['_CONSUMEDREQUEST']._serialized_end=975
+  _globals['_CONSUMEDREPLY']._serialized_start=977
+  _globals['_CONSUMEDREPLY']._serialized_end=992
+  _globals['_STATUSREQUEST']._serialized_start=994
+  _globals['_STATUSREQUEST']._serialized_end=1024
+  _globals['_RANKSTATUS']._serialized_start=1027
+  _globals['_RANKSTATUS']._serialized_end=1188
+  _globals['_STATUSREPLY']._serialized_start=1191
+  _globals['_STATUSREPLY']._serialized_end=1680
+  _globals['_GRANTREQUEST']._serialized_start=1682
+  _globals['_GRANTREQUEST']._serialized_end=1731
+  _globals['_GRANTREPLY']._serialized_start=1733
+  _globals['_GRANTREPLY']._serialized_end=1809
+  _globals['_WARMER']._serialized_start=1812
+  _globals['_WARMER']._serialized_end=2014
 # @@protoc_insertion_point(module_scope)

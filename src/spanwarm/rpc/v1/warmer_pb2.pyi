@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WarmRequest(_message.Message):
-    __slots__ = ("job", "rank", "files", "groups", "file_index", "offset", "length", "stride", "count", "group_index")
+    __slots__ = ("job", "rank", "files", "groups", "file_index", "offset", "length", "stride", "count", "group_index", "token")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WarmRequest(_message.Message):
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     files: _containers.RepeatedScalarFieldContainer[str]
@@ -28,7 +29,8 @@ class WarmRequest(_message.Message):
     stride: _containers.RepeatedScalarFieldContainer[int]
     count: _containers.RepeatedScalarFieldContainer[int]
     group_index: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., groups: _Optional[_Iterable[str]] = ..., file_index: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., group_index: _Optional[_Iterable[int]] = ...) -> None: ...
+    token: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., groups: _Optional[_Iterable[str]] = ..., file_index: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., group_index: _Optional[_Iterable[int]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class FilePlan(_message.Message):
     __slots__ = ("path", "size_bytes", "needed_bytes", "num_runs", "cost_bytes", "decision", "warm_bytes", "warm_now_bytes")
@@ -109,20 +111,24 @@ class WarmEvent(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class ConsumedRequest(_message.Message):
-    __slots__ = ("request_id", "groups")
+    __slots__ = ("request_id", "groups", "token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     groups: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ...) -> None: ...
+    token: str
+    def __init__(self, request_id: _Optional[int] = ..., groups: _Optional[_Iterable[int]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ConsumedReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("job", "rank", "groups", "groups_ready", "groups_failed", "bytes_requested", "bytes_ready", "age_s")
@@ -187,3 +193,23 @@ class StatusReply(_message.Message):
     waiting_for_budget: int
     waiting_reason: str
     def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., waiting_for_budget: _Optional[int] = ..., waiting_reason: _Optional[str] = ...) -> None: ...
+
+class GrantRequest(_message.Message):
+    __slots__ = ("descriptors", "last")
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    descriptors: int
+    last: bool
+    def __init__(self, descriptors: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class GrantReply(_message.Message):
+    __slots__ = ("token", "expires_s", "code", "reason")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_s: float
+    code: str
+    reason: str
+    def __init__(self, token: _Optional[str] = ..., expires_s: _Optional[float] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -60,13 +60,20 @@ class WarmerServicer:
         is a status code (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION,
         OUT_OF_RANGE, RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL; docs/daemon.md) with a
         message naming the file, the offset and the cause.
+
+        Every call proves who is asking with a token from the access channel (see Grant
+        below): the token names the caller's uid and, for Warm, the files it opened itself.
+        Without one a call is refused with UNAUTHENTICATED, except on an owner-only socket
+        (mode 0600, no --socket-group), where only its owner can connect.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """What the daemon is doing: jobs, ranks, files, bytes, throughput, decisions.
+        """What the daemon is doing: jobs, ranks, files, bytes, throughput, decisions. A caller
+        other than the socket's owner or root sees its own uid's ranks and files and the
+        node's totals; a call without a token on a shared socket sees the totals only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,7 +81,8 @@ class WarmerServicer:
 
     def Consumed(self, request, context):
         """The rank has read these tensors: under a memory budget, their bytes stop counting
-        against it and warming moves on (a sliding window in consumption order).
+        against it and warming moves on (a sliding window in consumption order). Only the
+        token of the request's own Warm call counts: any other answers NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

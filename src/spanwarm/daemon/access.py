@@ -1,0 +1,252 @@
+"""The access channel: callers prove which files they may read by handing them over open.
+
+gRPC cannot tell who is on the other end of a Unix socket, so next to the gRPC socket the
+daemon listens on a ``SOCK_SEQPACKET`` socket (``<socket>.access``, same owner and mode).
+A caller opens its files itself, with its own credentials, and sends the descriptors
+(``SCM_RIGHTS``); the kernel tells us its pid, uid and gid (``SO_PEERCRED``). Each
+descriptor must be open for reading (an ``O_PATH`` one proves nothing) on a regular file
+inside the allowed roots (checked on the kernel's name for it); the file table keeps it
+and shares it by identity. The caller gets a token (:mod:`spanwarm.daemon.grants`) that
+its ``Warm`` call carries. The protocol is in protos/spanwarm/v1/warmer.proto (Grant).
+
+What a caller cannot make us do: read a file it could not open, follow a path it
+controls, or hold a connection, a thread or a descriptor for long. A grant must arrive
+within ``GRANT_SECONDS``; descriptors are checked in threads of the caller's own uid (a
+user's hung FUSE mount stalls only that user's grants); anything not passed on to a
+grant is closed.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import socket
+import struct
+
+from google.protobuf.message import DecodeError
+
+from spanwarm.daemon.admission import FileTable, OpenFile
+from spanwarm.daemon.grants import Grants, Peer
+from spanwarm.daemon.threads import DaemonThreadPool
+from spanwarm.errors import InvalidRequestError, RequestTooLargeError, SpanwarmError
+from spanwarm.rpc.v1 import warmer_pb2
+
+__all__ = ["GRANT_SECONDS", "SCM_MAX_FD", "AccessServer"]
+
+logger = logging.getLogger("spanwarm.daemon")
+
+SCM_MAX_FD = 253  # the kernel's limit on descriptors in one message
+GRANT_SECONDS = 10.0  # a connection has this long to send its descriptors and be answered
+_DATAGRAM = 64  # a GrantRequest is a few bytes; anything longer is refused as cut short
+_MAX_CONNECTIONS = 256  # open at once, for everyone; more are closed at once
+_CHECK_THREADS = 2  # per uid
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class _Closed(Exception):
+    """The caller hung up before finishing its grant: nobody to answer."""
+
+
+class AccessServer:
+    def __init__(self, path: str, files: FileTable, grants: Grants, *, max_files: int) -> None:
+        self.path = path
+        self.files = files
+        self.grants = grants
+        self.max_files = max_files
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pools: dict[int, DaemonThreadPool] = {}
+
+    def start(self) -> None:
+        """Bind (mode 0600 from the first instant: the caller sets it for the group
+        later, as for the gRPC socket) and start accepting."""
+        listener = socket.socket(
+            socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+        )
+        previous = os.umask(0o177)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # stale, from a daemon that died (the caller checked)
+            listener.bind(self.path)
+        except BaseException:
+            listener.close()
+            raise
+        finally:
+            os.umask(previous)
+        listener.listen(128)
+        self._listener = listener
+        asyncio.get_running_loop().add_reader(listener.fileno(), self._accept)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # EMFILE and the like: the caller will time out and retry
+                logger.warning("access channel: cannot accept: %s", exc)
+                return
+            if len(self._tasks) >= _MAX_CONNECTIONS:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            task = loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            pid, uid, gid = _UCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            peer = Peer(pid, uid, gid)
+            try:
+                async with asyncio.timeout(GRANT_SECONDS):
+                    await self._receive(conn, fds)
+                    files = await self._adopt(peer, fds)
+                try:
+                    grant = self.grants.issue(peer, files)
+                except BaseException:
+                    for file in files:
+                        self.files.release(file)
+                    raise
+                reply = warmer_pb2.GrantReply(token=grant.token, expires_s=self.grants.ttl)
+            except SpanwarmError as exc:
+                logger.info("access channel: refused uid %d (pid %d): %s", uid, pid, exc)
+                reply = warmer_pb2.GrantReply(code=exc.grpc_code, reason=str(exc)[:1000])
+            except TimeoutError:
+                reply = warmer_pb2.GrantReply(
+                    code="DEADLINE_EXCEEDED",
+                    reason=f"the grant was not complete and checked within {GRANT_SECONDS:.0f} s",
+                )
+            with contextlib.suppress(OSError):
+                conn.send(reply.SerializeToString())
+        except _Closed:
+            pass
+        except Exception:
+            logger.exception("access channel: unexpected error")
+        finally:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    async def _receive(self, conn: socket.socket, fds: list[int]) -> None:
+        """Read datagrams until the one marked last; their descriptors go into ``fds`` as
+        they arrive (so that every one is closed, whatever happens next)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data, ancillary, flags, _ = conn.recvmsg(
+                    _DATAGRAM, socket.CMSG_SPACE(SCM_MAX_FD * 4)
+                )
+            except BlockingIOError:
+                await _readable(loop, conn)
+                continue
+            got = _descriptors(ancillary)
+            fds.extend(got)
+            if not data and not got:
+                raise _Closed
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise InvalidRequestError(
+                    "a grant datagram was cut short (more than 64 bytes, more than "
+                    f"{SCM_MAX_FD} descriptors, or the daemon is out of descriptors)"
+                )
+            try:
+                message = warmer_pb2.GrantRequest.FromString(data)
+            except DecodeError as exc:
+                raise InvalidRequestError(f"not a valid GrantRequest: {exc}") from None
+            if message.descriptors != len(got):
+                raise InvalidRequestError(
+                    f"a datagram says it carries {message.descriptors} descriptors and "
+                    f"carries {len(got)}"
+                )
+            if len(fds) > self.max_files:
+                raise RequestTooLargeError(
+                    f"more than {self.max_files} descriptors in one grant (--max-files)"
+                )
+            if message.last:
+                return
+
+    async def _adopt(self, peer: Peer, fds: list[int]) -> list[OpenFile]:
+        """Check and keep the descriptors, in a thread of the caller's uid. They pass to
+        the file table (which closes any it refuses); if we stop waiting, what the thread
+        took is given back when it finishes."""
+        if not fds:
+            return []
+        pool = self._pools.get(peer.uid)
+        if pool is None:
+            pool = self._pools[peer.uid] = DaemonThreadPool(
+                _CHECK_THREADS, f"spanwarm-access-{peer.uid}", nice=10
+            )
+        handed, fds[:] = list(fds), []
+        job = pool.submit(self._adopt_blocking, handed)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancel():  # never started: the descriptors are still ours to close
+                for fd in handed:
+                    os.close(fd)
+            else:
+                job.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, job: concurrent.futures.Future[list[OpenFile]]) -> None:
+        if not job.cancelled() and job.exception() is None:
+            for file in job.result():
+                self.files.release(file)
+
+    def _adopt_blocking(self, fds: list[int]) -> list[OpenFile]:
+        files: list[OpenFile] = []
+        for position, fd in enumerate(fds):
+            try:
+                files.append(self.files.adopt(fd, f"descriptor {position}"))
+            except BaseException:
+                for rest in fds[position + 1 :]:
+                    os.close(rest)
+                for file in files:
+                    self.files.release(file)
+                raise
+        return files
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)

@@ -29,7 +29,9 @@ where it applies, and the cause, so that callers never parse messages::
     │   └── SpanOutOfRangeError         a span reaches past the end of its file
     └── RequestError                    a Warm request the daemon refuses as a whole
         ├── InvalidRequestError         malformed: ragged columns, bad indices, bad paths
-        └── RequestTooLargeError        over a per-request limit (spans, files, cells, rows)
+        ├── RequestTooLargeError        over a per-request limit (spans, files, cells, rows)
+        ├── UnauthenticatedError        no valid token, on a socket others may reach
+        └── AccessDeniedError           a descriptor that proves nothing; over a per-uid cap
 
 Each class carries ``grpc_code``, the name of the gRPC status code the daemon answers
 with, so clients and the daemon agree on one mapping without importing grpc here.
@@ -41,6 +43,7 @@ import os
 from typing import ClassVar
 
 __all__ = [
+    "AccessDeniedError",
     "CheckpointError",
     "CheckpointLayoutError",
     "DataSizeMismatchError",
@@ -66,6 +69,7 @@ __all__ = [
     "SpanwarmError",
     "StorageError",
     "TensorSizeMismatchError",
+    "UnauthenticatedError",
     "UnknownDtypeError",
 ]
 

@@ -674,7 +674,7 @@ def test_undecodable_status_and_consumed_are_invalid_argument(tmp_path: Path) ->
             s.raw("Consumed", b"\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"), "NOT_FOUND"
         )
         # Unknown fields decode (proto3 keeps them): not a refusal.
-        assert s.raw("Status", b"\x0a\x02\xff\xfe").code == "OK"
+        assert s.raw("Status", b"\x7a\x02\xff\xfe").code == "OK"  # field 15
         # An empty Warm request names nothing: accepted, planned, done at once.
         accepted = s.raw("Warm", b"")
         assert accepted.code == "OK", str(accepted)

@@ -195,6 +195,12 @@ class FileTable:
             raise InvalidRequestError(f"file {_shown(path)}: paths must be absolute")
         if "\0" in path:
             raise InvalidRequestError(f"file {_shown(path)}: a path cannot contain a NUL byte")
+        real = os.path.realpath(path)
+        if not self._allowed(real):  # refused before it is even stat'ed
+            raise PathNotAllowedError(
+                path,
+                f"resolves to {_shown(real)}, outside the allowed roots {list(self._roots)}",
+            )
         try:
             st = os.stat(path)  # a FIFO or a device is stat'ed, never opened
         except OSError as exc:

@@ -421,10 +421,12 @@ class Client:
         ticket._token = granted.token
         if not granted.failures:
             return request
-        failed = np.isin(np.asarray(request.file_index, dtype=np.int64), list(granted.failures))
-        groups = np.unique(np.asarray(request.group_index, dtype=np.int64)[failed])
-        first = next(iter(granted.failures.values()))
-        ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {first}")
+        file_index = np.asarray(request.file_index, dtype=np.int64)
+        group_index = np.asarray(request.group_index, dtype=np.int64)
+        for position, reason in granted.failures.items():
+            groups = np.unique(group_index[file_index == position])
+            ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {reason}")
+        failed = np.isin(file_index, list(granted.failures))
         renumber = np.full(len(request.files), -1, dtype=np.int64)
         renumber[granted.files] = np.arange(len(granted.files))
         keep = ~failed
@@ -433,7 +435,7 @@ class Client:
             name: np.asarray(getattr(request, name), dtype=np.uint64)[keep]
             for name in ("offset", "length", "stride", "count", "group_index")
         }
-        file_index = renumber[np.asarray(request.file_index, dtype=np.int64)[keep]]
+        file_index = renumber[file_index[keep]]
         del request.files[:]
         request.files.extend(files)
         for name, column in columns.items():

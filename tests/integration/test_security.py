@@ -1,0 +1,363 @@
+"""The security model (docs/daemon.md), tried as hostile local users would try it.
+
+A root daemon serves a socket group; real unprivileged users (created here with
+useradd) act through ``tests/integration/as_user.py``, which drops to them before it
+does anything. Outcomes are checked where they happen: bytes in the page cache
+(mincore), status codes, what every reply names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spanwarm.client import Client, TensorSpans
+from spanwarm.residency import evict, resident_bytes
+from tests.daemon_harness import running_daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = "swtest"
+ALICE, MALLORY, VICTIM, SQUATTER = "swalice", "swmallory", "swvictim", "swsquat"
+SECRET_SIZE = 1_000_003  # sizes no reply may name
+INNER_SIZE = 1_000_033
+OWN_SIZE = 2 * 2**20
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("useradd") is None,
+    reason="needs root and useradd: the tests create real unprivileged users",
+)
+
+
+def _ensure_users() -> None:
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", GROUP], check=True)
+    for name, group in ((ALICE, GROUP), (MALLORY, GROUP), (VICTIM, None), (SQUATTER, None)):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            extra = ["-G", group] if group else []
+            subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", *extra, name],
+                check=True,
+            )
+
+
+def as_user(user: str, action: str, **args: Any) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.integration.as_user", user, action, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def _write(path: Path, size: int, mode: int, owner: str | None = None) -> Path:
+    path.write_bytes(os.urandom(size))
+    path.chmod(mode)
+    if owner:
+        entry = pwd.getpwnam(owner)
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    evict(path)
+    return path
+
+
+def _cold(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident_bytes(fd, 0, os.fstat(fd).st_size) == 0
+    finally:
+        os.close(fd)
+
+
+class Area:
+    """Files in a directory every test user can traverse (pytest's tmp_path cannot be)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.allowed = root / "allowed"
+        self.allowed.mkdir(mode=0o755)
+        self.own = _write(self.allowed / "own.bin", OWN_SIZE, 0o644)
+        self.secret = _write(self.allowed / "secret.bin", SECRET_SIZE, 0o600)
+        self.root_data = _write(self.allowed / "root-data.bin", 4 * 2**20, 0o600)
+        self.writable = _write(self.allowed / "write-only.bin", 4096, 0o602)
+        locked = self.allowed / "locked"
+        locked.mkdir(mode=0o700)
+        self.inner = _write(locked / "inner.bin", INNER_SIZE, 0o644)
+        self.alice_dir = self.allowed / "alice"
+        self.alice_dir.mkdir(mode=0o755)
+        entry = pwd.getpwnam(ALICE)
+        os.chown(self.alice_dir, entry.pw_uid, entry.pw_gid)
+        self.sockets = root / "run"
+        self.sockets.mkdir(mode=0o755)
+
+
+@pytest.fixture(scope="module")
+def area() -> Iterator[Area]:
+    _ensure_users()
+    root = Path(tempfile.mkdtemp(prefix="swsec-", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        yield Area(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def group_daemon(area: Area, *flags: str) -> Iterator[Any]:
+    with running_daemon(
+        "--socket-group",
+        GROUP,
+        "--allow",
+        str(area.allowed),
+        "--method",
+        "read",
+        *flags,
+        socket_path=str(area.sockets / "d.sock"),
+    ) as daemon:
+        yield daemon
+
+
+def _names_no_size(result: object, *sizes: int) -> None:
+    text = json.dumps(result)
+    for size in sizes:
+        assert str(size) not in text, (size, text)
+
+
+def test_a_member_warms_its_own_file_and_nothing_it_cannot_read(area: Area) -> None:
+    for path in (area.own, area.secret, area.inner):
+        evict(path)
+    with group_daemon(area) as daemon:
+        result = as_user(
+            ALICE,
+            "client_warm",
+            socket=daemon.socket,
+            paths=[str(area.own), str(area.secret), str(area.inner)],
+            length=OWN_SIZE,
+        )
+        assert result["finished"]
+        assert result["ready_names"] == [str(area.own)], result
+        assert result["ready"] == 1
+        assert result["failed"] == 2
+        assert {p["path"] for p in result["plan"]} == {str(area.own)}
+        assert "Permission denied" in result["failures"][str(area.secret)]
+        _names_no_size(result, SECRET_SIZE, INNER_SIZE)
+        assert _cold(area.secret)
+        assert _cold(area.inner)
+
+
+def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
+    evict(area.secret)
+    with group_daemon(area) as daemon:
+        result = as_user(
+            ALICE,
+            "raw_warm",
+            socket=daemon.socket,
+            secret=str(area.secret),
+            own=str(area.own),
+            own_writable=str(area.writable),
+            length=4096,
+        )
+        assert result["by_name"]["code"] == "UNAUTHENTICATED", result
+        # A token for our own file, with the secret's name as its label: the daemon warms
+        # what the descriptor is, and shows it by the kernel's name for it.
+        swapped = result["label_swap"]
+        assert swapped["code"] == "OK", swapped
+        assert swapped["plans"] == [{"path": str(area.own), "size_bytes": OWN_SIZE}]
+        assert result["reused_token"]["code"] == "UNAUTHENTICATED"
+        assert result["guessed_token"]["code"] == "UNAUTHENTICATED"
+        assert result["o_path"]["code"] == "PERMISSION_DENIED", result["o_path"]
+        assert "not opened for reading" in result["o_path"]["details"]
+        assert not result["o_path"]["token"]
+        assert result["write_only"]["code"] == "PERMISSION_DENIED", result["write_only"]
+        _names_no_size(result, SECRET_SIZE)
+        assert _cold(area.secret)
+
+
+def test_status_shows_a_member_only_its_own_ranks_and_files(area: Area) -> None:
+    with group_daemon(area) as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(
+            [TensorSpans("w", str(area.root_data), 0, 2**20, 2**20, 1)], job="root-job"
+        )
+        assert ticket.wait(timeout=30)
+        mine = client.status()
+        assert [r["job"] for r in mine["ranks"]] == ["root-job"]
+        result = as_user(ALICE, "cli", argv=["status", "--json", "--socket", daemon.socket])
+        assert result["exit"] == 0, result
+        seen = json.loads(result["stdout"])
+        assert seen["ranks"] == []
+        assert seen["files"] == []
+        assert "root-job" not in result["stdout"]
+        assert str(area.root_data) not in result["stdout"]
+        assert seen["bytes_planned"] == mine["bytes_planned"]  # the node's totals
+        ticket.cancel()
+        client.close()
+
+
+def test_consumed_from_another_user_releases_nothing(area: Area) -> None:
+    with group_daemon(area) as daemon:
+        client = Client(daemon.socket)
+        spans = [
+            TensorSpans(f"t{i}", str(area.root_data), i * 2**20, 2**20, 2**20, 1) for i in range(4)
+        ]
+        ticket = client.request(spans, job="root-job")
+        assert ticket.wait(timeout=30)
+        held = client.status()["held_bytes"]
+        assert held == 4 * 2**20
+        result = as_user(ALICE, "consumed", socket=daemon.socket, ids=list(range(1, 65)))
+        assert result["codes"] == {"NOT_FOUND": 3 * 64}, result
+        assert client.status()["held_bytes"] == held
+        ticket.consumed([s.tensor for s in spans])  # our own token does release them
+        deadline = time.monotonic() + 10
+        while client.status()["held_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.status()["held_bytes"] == 0
+        ticket.cancel()
+        client.close()
+
+
+def test_a_symlink_swap_race_never_reaches_etc_shadow(area: Area) -> None:
+    shadow = os.stat("/etc/shadow").st_size
+    link, plain = area.alice_dir / "link", area.alice_dir / "plain"
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to("/etc/shadow")
+    _write(plain, 8192, 0o644, owner=ALICE)
+    with group_daemon(area) as daemon:
+        result = as_user(
+            ALICE, "race", socket=daemon.socket, link=str(link), plain=str(plain), requests=400
+        )
+    assert result["swaps"] > 0
+    assert shadow not in result["sizes"], result
+    assert set(result["sizes"]) <= {8192}
+    assert result["codes"].get("UNAUTHENTICATED", 0) == 200  # by name: never served
+
+
+def test_tcp_serves_health_and_nothing_else(area: Area) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    with group_daemon(area, "--listen", address) as daemon:
+        for user in (None, ALICE):
+            args = {"address": address, "path": str(area.own)}
+            result = (
+                as_user(user, "tcp", **args)
+                if user
+                else json.loads(
+                    subprocess.run(
+                        [sys.executable, "-c", _TCP_AS_ROOT, json.dumps(args)],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        cwd=ROOT,
+                        timeout=120,
+                    ).stdout
+                )
+            )
+            assert result["health"] == "SERVING", result
+            assert result["warm"] == "UNIMPLEMENTED", result
+            assert result["status"] == "UNIMPLEMENTED", result
+            assert result["consumed"] == "UNIMPLEMENTED", result
+            assert "spanwarm.v1.Warmer" not in result["reflection"], result
+        assert daemon.process.poll() is None
+
+
+_TCP_AS_ROOT = """
+import json, sys
+from tests.integration import as_user
+print(json.dumps(as_user._ACTIONS["tcp"](json.loads(sys.argv[1]))))
+"""
+
+
+def test_a_squatted_socket_directory_gets_nothing(area: Area) -> None:
+    victim = pwd.getpwnam(VICTIM)
+    directory = Path(tempfile.gettempdir()) / f"spanwarm-{victim.pw_uid}"
+    shutil.rmtree(directory, ignore_errors=True)
+    own = _write(area.root / "victim.bin", 8192, 0o644, owner=VICTIM)
+    squatter = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.as_user",
+            SQUATTER,
+            "squat",
+            json.dumps({"directory": str(directory), "seconds": 25}),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert squatter.stdout is not None
+        assert json.loads(squatter.stdout.readline())["listening"]
+        load = as_user(VICTIM, "victim_load", path=str(own))
+        assert load["socket"] == str(directory / "spanwarm.sock")
+        assert load["finished"]
+        assert load["seconds"] < 10, load
+        assert load["released"] == 1
+        serve = as_user(VICTIM, "cli", argv=["serve"])
+        assert serve["exit"] == 2, serve
+        line = serve["stderr"].strip()
+        assert len(line.splitlines()) == 1, line
+        assert str(directory) in line
+        assert f"owner uid {pwd.getpwnam(SQUATTER).pw_uid}" in line
+        assert "mode 0777" in line
+        heard = json.loads(squatter.communicate(timeout=60)[0].strip().splitlines()[-1])
+        assert heard == {"received": 0, "connections": 0}
+    finally:
+        squatter.kill()
+        squatter.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_per_user_default_directory_is_created_private(area: Area) -> None:
+    victim = pwd.getpwnam(VICTIM)
+    directory = Path(tempfile.gettempdir()) / f"spanwarm-{victim.pw_uid}"
+    shutil.rmtree(directory, ignore_errors=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.as_user",
+            VICTIM,
+            "cli",
+            json.dumps({"argv": ["serve"]}),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (directory / "spanwarm.sock.access").exists():
+            assert server.poll() is None, server.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        st = directory.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (victim.pw_uid, 0o700)
+        assert (directory / "spanwarm.sock").stat().st_mode & 0o777 == 0o600
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)

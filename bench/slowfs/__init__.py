@@ -535,8 +535,11 @@ def serve(
     faults: Iterable[Fault] = (),
     hangs: Iterable[Hang] = (),
     debug: bool = False,
+    allow_other: bool = False,
 ) -> None:
-    """Mount ``source`` at ``mountpoint`` and serve in the foreground until unmounted."""
+    """Mount ``source`` at ``mountpoint`` and serve in the foreground until unmounted
+    (``allow_other``: other users may use the mount, with the kernel checking the files'
+    permissions; root only)."""
     import mfusepy  # here, not at the top: only the server needs libfuse
 
     mfusepy.FUSE(
@@ -551,6 +554,7 @@ def serve(
         max_threads=_MAX_THREADS,
         fsname=f"slowfs:{source}",
         subtype="slowfs",
+        **({"allow_other": True, "default_permissions": True} if allow_other else {}),
     )
 
 
@@ -590,6 +594,7 @@ def mount(
     hangs: Iterable[Hang] = (),
     read_ahead_kb: int | None = None,
     timeout_s: float = _MOUNT_TIMEOUT_S,
+    allow_other: bool = False,
     **overrides: float | None,
 ) -> Iterator[SlowFS]:
     """Mount ``source`` read-only at ``mountpoint`` (created if missing) in a child process.
@@ -598,7 +603,7 @@ def mount(
     ``total_bytes_per_s``). ``faults`` and ``hangs`` make reads of some byte ranges fail
     or hang (see :class:`Fault`, :class:`Hang`). ``read_ahead_kb`` replaces the kernel's
     readahead window for the mount (128 KiB by default; root only), which bounds the size
-    of read requests.
+    of read requests. ``allow_other`` lets other users in (files' modes apply; root only).
     Yields once the mount is live; unmounts and reaps the child on exit, lazily if files
     inside are still open (a read hung then fails with EIO or ENOTCONN).
     """
@@ -626,6 +631,7 @@ def mount(
         repr(resolved.total_bytes_per_s),
         *(f"--fault={fault.to_arg()}" for fault in faults),
         *(f"--hang={hang.to_arg()}" for hang in hangs),
+        *(["--allow-other"] if allow_other else []),
     ]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--name", help="label of the resulting preset in the stats")
     parser.add_argument("--debug", action="store_true", help="libfuse's request trace")
+    parser.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users use the mount (file modes apply; root only)",
+    )
     args = vars(parser.parse_args(argv))
     overrides = {name: args.pop(name) for name in _KNOBS if name in args}
     preset = resolve_preset(args["preset"], **overrides)
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         faults=args["faults"],
         hangs=args["hangs"],
         debug=args["debug"],
+        allow_other=args["allow_other"],
     )
 
 

@@ -76,6 +76,7 @@ logger = logging.getLogger("spanwarm.daemon")
 
 _PLAN_INLINE = 2_000  # rows a batch may have to be planned on the loop rather than a worker
 USAGE_HALF_LIFE = 10.0  # seconds: how fast a user's past service stops counting against it
+_PIECES = 8  # a warm operation goes in chunk/8 pieces, and may stop between them (fair share)
 
 
 @dataclass(slots=True)
@@ -128,6 +129,7 @@ class _Outcome:
     verified: int = 0  # bytes found resident already
     kept: list[tuple[int, int]] = field(default_factory=list)  # --hold: (address, length)
     bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
+    covered: list[Range] = field(default_factory=list)  # what it got to (it may stop early)
     done: float = 0.0  # when the last read completed (taken in the worker, not on the loop)
 
 
@@ -170,6 +172,17 @@ def _subtract(ranges: list[Range], holes: list[Range]) -> list[Range]:
                 break
         if a < b:
             out.append((a, b))
+    return out
+
+
+def _split(ranges: list[Range], piece: int) -> list[Range]:
+    """``ranges`` cut at absolute multiples of ``piece``."""
+    out = []
+    for a, b in ranges:
+        while a < b:
+            end = min(b, (a // piece + 1) * piece)
+            out.append((a, end))
+            a = end
     return out
 
 
@@ -249,6 +262,8 @@ class Node:
         self._turns: dict[int, int] = {}  # per uid: whose turn among its requests
         self._usage: dict[int, tuple[float, float]] = {}  # uid -> (decayed bytes, as of)
         self._user_in_flight: collections.Counter[int] = collections.Counter()
+        self._preempt: frozenset[int] = frozenset()  # uids whose operations should stop
+        self._piece = max(PAGE, self.chunk // _PIECES)
         self._in_flight = 0
         self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
         # Admission stats and opens files (which may block on a mount) and indexes spans;
@@ -570,6 +585,30 @@ class Node:
                 return (*item, uid)
         return None
 
+    def _to_preempt(self) -> frozenset[int]:
+        """Users whose operations should stop at their next piece: every worker is busy,
+        and a user served less lately has cells to warm that are not in flight. That user
+        gets each freed worker (``_next``), and what a heavier user keeps in flight is what
+        its reads queue behind at the storage; the stopped operations go again later."""
+        if self._in_flight < self.config.workers:
+            return frozenset()
+        pending: collections.Counter[int] = collections.Counter()
+        for r in self._requests:
+            if r.active:
+                pending[r.uid] += len(r.pending)
+        if len(pending) < 2:
+            return frozenset()
+        now = time.monotonic()
+        starved = [
+            self._usage_of(u, now)
+            for u, cells in pending.items()
+            if cells > self._user_in_flight[u] < self._in_flight_cap(u)
+        ]
+        if not starved:
+            return frozenset()
+        bar = min(starved)
+        return frozenset(u for u in self._user_in_flight if self._usage_of(u, now) > bar)
+
     def _in_flight_cap(self, uid: int) -> int:
         cap = self.config.user_max_in_flight
         if cap is None or uid in self.trusted_uids:
@@ -702,13 +741,14 @@ class Node:
                 task = asyncio.get_running_loop().create_task(self._warm(key, ranges, uid))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            self._preempt = self._to_preempt()  # read by the workers between pieces
 
     async def _warm(self, key: CellKey, ranges: list[Range], uid: int) -> None:
         file = key[0]
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            outcome = await loop.run_in_executor(self._pool, self._warm_blocking, file, ranges)
+            outcome = await loop.run_in_executor(self._pool, self._warm_blocking, file, ranges, uid)
         except FileChangedError as exc:
             self._fail_file(file, exc.grpc_code, str(exc))
         except OSError as exc:  # the file could not even be opened again
@@ -719,8 +759,17 @@ class Node:
             self._fail_cell(key, "INTERNAL", f"{file.path}: internal error while warming: {exc!r}")
         else:
             done = outcome.done
+            logger.debug(
+                "warmed %s cell %d for uid %d: %d of %d bytes in %.3f s",
+                file.path,
+                key[1],
+                uid,
+                sum(b - a for a, b in outcome.covered),
+                sum(b - a for a, b in ranges),
+                done - started,
+            )
             bad = [(b.start, b.stop) for b in outcome.bad]
-            good = _subtract(ranges, bad)
+            good = _subtract(outcome.covered, bad)
             warmed_cell = self._cells[key]
             warmed_cell.warm.extend((a, b, done) for a, b in good)
             warmed = sum(b - a for a, b in good)
@@ -752,12 +801,17 @@ class Node:
             self._release_if_free(key)
             self._wake.set()
 
-    def _warm_blocking(self, file: OpenFile, ranges: list[Range]) -> _Outcome:
-        """Runs in a worker: warm what is not already resident. A range the storage fails
-        is narrowed down to its bad pages; the rest of it is warmed."""
+    def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int) -> _Outcome:
+        """Runs in a worker: warm what is not already resident, piece by piece, stopping
+        between pieces when ``uid`` is asked to make way (``_to_preempt``; what was done
+        is in ``covered``). A range the storage fails is narrowed down to its bad pages;
+        the rest of it is warmed."""
         outcome = _Outcome()
         with file.stream() as fd:
-            for start, stop in ranges:
+            for start, stop in _split(ranges, self._piece):
+                if outcome.covered and uid in self._preempt:
+                    break
+                outcome.covered.append((start, stop))
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
                 if resident == stop - start:
                     outcome.verified += resident
@@ -772,7 +826,7 @@ class Node:
                 outcome.verified += resident
             if self.config.hold:
                 bad = [(b.start, b.stop) for b in outcome.bad]
-                outcome.kept = _pin_all(fd, _subtract(ranges, bad))
+                outcome.kept = _pin_all(fd, _subtract(outcome.covered, bad))
         outcome.done = time.monotonic()
         return outcome
 

@@ -57,6 +57,15 @@ def run(script: str, *args: str, markdown: bool = False) -> str:
     return text
 
 
+FAIRNESS = (
+    "A root daemon (8 workers, `--socket-group`) and two unprivileged users over an "
+    "emulated network mount (20 ms per seek, 8 MiB/s per stream, 64 MiB/s in all). The "
+    "victim warms a 64 MiB file (evicted before each run); the flooder keeps 20 Warm streams "
+    "over 20 files of 1 GiB. *same uid*: the victim's request sent under the flooder's uid, "
+    "i.e. what sharing the workers per request (before per-user fair share) gives.\n"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,6 +93,10 @@ def main() -> None:
         run("bench_load.py", *(["--quick"] if quick else []), markdown=True),
         "\n## What one request may cost: the work limits\n",
         run("bench_limits.py", markdown=True),
+        "\n## Fairness between users\n",
+        "```console\nsudo python bench/bench_fairness.py\n```\n",
+        FAIRNESS,
+        run("bench_fairness.py", markdown=True),
         "\n## Scale\n",
         run("bench_scale.py", *(["--quick"] if quick else [])),
     ]

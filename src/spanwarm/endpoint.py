@@ -3,10 +3,11 @@
 Shared by the daemon and its clients. A socket is only as private as the directories
 above it: whoever may write one of them can replace the socket with their own (and
 listen for what ranks send, or stall them). So both sides refuse a socket whose
-directory chain another non-root user controls: a directory owned by someone else, or
-one that group or others may write without the sticky bit (with it, as in /tmp, nobody
-can rename or remove another user's entries). The client also refuses a socket owned by
-anyone but root or itself.
+directory chain another non-root user controls: a directory owned by someone else
+(unless root gave it to them, as systemd's RuntimeDirectory= does for a daemon's user:
+its parent is root's and nobody else may write there), or one that group or others may
+write without the sticky bit (with it, as in /tmp, nobody can rename or remove another
+user's entries). The client also refuses a socket owned by anyone else.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "access_socket_path",
     "default_socket_path",
     "private_directory",
+    "trusted_owners",
     "unsafe_directory",
     "unsafe_socket",
 ]
@@ -49,30 +51,51 @@ def _describe(path: str, st: os.stat_result) -> str:
     return f"{path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
 
 
-def unsafe_directory(directory: str, uid: int | None = None) -> str | None:
-    """Why another user could replace entries of ``directory`` (None: nobody but root and
-    ``uid``, by default ours, can). Every directory from the root down is checked."""
+def trusted_owners(directory: str, uid: int | None = None) -> tuple[frozenset[int], str | None]:
+    """Who may own the sockets in ``directory``, and why nobody should use it (None: it
+    is safe). Every directory from the root down is checked: each must be owned by root,
+    by ``uid`` (by default ours), or by a user root gave it to (its parent is root's and
+    nobody else may write there: /run/spanwarm for a daemon's system user), and none may
+    be writable by group or others without the sticky bit."""
     uid = os.geteuid() if uid is None else uid
+    owners = {0, uid}
     try:
-        real = os.path.realpath(directory)
-        chain = [real, *(str(p) for p in Path(real).parents)]
+        real = Path(os.path.realpath(directory))
+        chain = [*reversed(real.parents), real]
+        parent: os.stat_result | None = None
         for path in chain:
             st = os.stat(path)
-            if st.st_uid not in (0, uid):
-                return f"{_describe(path, st)} belongs to another user"
+            if st.st_uid not in owners:
+                delegated = (
+                    parent is not None
+                    and parent.st_uid == 0
+                    and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                )
+                if not delegated:
+                    return frozenset(), f"{_describe(str(path), st)} belongs to another user"
+                owners.add(st.st_uid)
             writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
             if writable and not st.st_mode & stat.S_ISVTX:
-                return f"{_describe(path, st)} is writable by others without the sticky bit"
+                return frozenset(), (
+                    f"{_describe(str(path), st)} is writable by others without the sticky bit"
+                )
+            parent = st
     except OSError as exc:
-        return f"{directory}: {exc.strerror}"
-    return None
+        return frozenset(), f"{directory}: {exc.strerror}"
+    return frozenset(owners), None
+
+
+def unsafe_directory(directory: str, uid: int | None = None) -> str | None:
+    """Why another user could replace entries of ``directory`` (None: it is safe; see
+    :func:`trusted_owners`)."""
+    return trusted_owners(directory, uid)[1]
 
 
 def unsafe_socket(path: str, uid: int | None = None) -> str | None:
     """Why a client must not talk to the socket at ``path`` (None: it may). The socket must
-    be a socket owned by root or ``uid``, in a directory chain nobody else controls."""
-    uid = os.geteuid() if uid is None else uid
-    if reason := unsafe_directory(os.path.dirname(os.path.abspath(path)) or "/", uid):
+    be a socket owned by a trusted owner of a safe directory (:func:`trusted_owners`)."""
+    owners, reason = trusted_owners(os.path.dirname(os.path.abspath(path)) or "/", uid)
+    if reason:
         return reason
     try:
         st = os.lstat(path)
@@ -80,7 +103,7 @@ def unsafe_socket(path: str, uid: int | None = None) -> str | None:
         return f"{path}: {exc.strerror}"
     if not stat.S_ISSOCK(st.st_mode):
         return f"{_describe(path, st)} is not a socket"
-    if st.st_uid not in (0, uid):
+    if st.st_uid not in owners:
         return f"{_describe(path, st)} belongs to another user"
     return None
 

@@ -36,7 +36,7 @@ import spanwarm.cli
 import spanwarm.cli.serve
 import spanwarm.daemon.server
 from spanwarm.client import Client, TensorSpans
-from spanwarm.client.access import grant
+from spanwarm.client.access import AccessRefused, grant
 from spanwarm.endpoint import access_socket_path
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 
@@ -163,6 +163,23 @@ def _grant_fd(path: str, flags: int, target: str) -> dict[str, Any]:
     finally:
         os.close(fd)
     return {"code": reply.code or "OK", "details": reply.reason, "token": bool(reply.token)}
+
+
+@action
+def caps(args: dict[str, Any]) -> dict[str, Any]:
+    """Take ``grants`` grants of our own file without using them, then spend the first on
+    a Warm naming ``length`` bytes: the codes."""
+    codes, tokens = [], []
+    for _ in range(args["grants"]):
+        try:
+            tokens.append(grant(args["socket"], [args["own"]], timeout=10).token)
+            codes.append("OK")
+        except AccessRefused as exc:
+            codes.append(exc.code)
+    with grpc.insecure_channel(f"unix:{args['socket']}") as channel:
+        stub = warmer_pb2_grpc.WarmerStub(channel)
+        warm = _warm_raw(stub, _request([args["own"]], args["length"], token=tokens[0]))
+    return {"grants": codes, "warm": warm["code"], "details": warm["details"]}
 
 
 @action

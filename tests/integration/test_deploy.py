@@ -111,7 +111,8 @@ def test_daemonset_shares_the_socket_and_mounts_checkpoints_read_only() -> None:
 
 def test_sidecar_is_a_native_sidecar_sharing_the_socket() -> None:
     (pod,) = manifests("sidecar-pod.yaml")
-    (sidecar,) = pod["spec"]["initContainers"]
+    prepare, sidecar = pod["spec"]["initContainers"]
+    assert prepare["command"] == ["chmod", "1777", "/run/spanwarm"]  # sticky, as /tmp
     assert sidecar["restartPolicy"] == "Always"
     trainer = pod["spec"]["containers"][0]
     socket_env = {"name": "SPANWARM_SOCKET", "value": "/run/spanwarm/spanwarm.sock"}

@@ -836,6 +836,20 @@ def test_random_and_boundary_requests_end_with_documented_codes(tmp_path: Path) 
             s.status()
 
         check()
+        for path in bad:  # every kind of refusal, whatever the examples drew
+            one = warmer_pb2.WarmRequest(
+                files=[path],
+                groups=["g"],
+                file_index=[0],
+                offset=[0],
+                length=[4096],
+                stride=[4096],
+                count=[1],
+                group_index=[0],
+            )
+            outcome = _outcome(s.stub.Warm(one, timeout=10), lambda first: None)
+            assert outcome.code in DOCUMENTED, str(outcome)
+            seen[outcome.code] = seen.get(outcome.code, 0) + 1
         s.settled_fds()
     assert set(consumed_codes) <= {"NOT_FOUND"}, consumed_codes
     assert "UNKNOWN" not in seen

@@ -236,6 +236,24 @@ def test_consumed_from_another_user_releases_nothing(area: Area) -> None:
         client.close()
 
 
+def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
+    flags = ("--user-max-requests", "2", "--user-max-bytes", "1MiB")
+    with group_daemon(area, *flags) as daemon:
+        result = as_user(
+            ALICE, "caps", socket=daemon.socket, own=str(area.own), grants=3, length=OWN_SIZE
+        )
+        # Root is not limited: the same daemon takes its 2 MiB request.
+        client = Client(daemon.socket)
+        ticket = client.request([TensorSpans("r", str(area.own), 0, OWN_SIZE, OWN_SIZE, 1)])
+        assert ticket.wait(timeout=30)
+        assert ticket.progress.ready == 1
+        ticket.cancel()
+        client.close()
+    assert result["grants"] == ["OK", "OK", "PERMISSION_DENIED"], result
+    assert result["warm"] == "RESOURCE_EXHAUSTED", result
+    assert "--user-max-bytes" in result["details"]
+
+
 def test_a_symlink_swap_race_never_reaches_etc_shadow(area: Area) -> None:
     shadow = os.stat("/etc/shadow").st_size
     link, plain = area.alice_dir / "link", area.alice_dir / "plain"

@@ -6,8 +6,8 @@ access socket beside the daemon's gRPC socket (``SCM_RIGHTS``, at most 253 per d
 opened and closed batch by batch so a checkpoint of thousands of shards never holds
 more than 253 at once), and gets back a token its ``Warm`` call carries. Before a byte
 is sent, the daemon must be who it should be: the socket's place is checked
-(:func:`spanwarm.endpoint.unsafe_socket`) and the listening process must run as root or
-as us (``SO_PEERCRED``).
+(:func:`spanwarm.endpoint.trusted_owners`), and the listening process must run as one of
+the users trusted there (``SO_PEERCRED``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from spanwarm.endpoint import access_socket_path, unsafe_directory, unsafe_socket
+from spanwarm.endpoint import access_socket_path, trusted_owners, unsafe_socket
 from spanwarm.rpc.v1 import warmer_pb2
 
 __all__ = ["AccessRefused", "EndpointUnsafe", "Granted", "check_endpoint", "grant"]
@@ -65,26 +65,29 @@ def _open(path: str) -> int:
     return fd
 
 
-def check_endpoint(socket_path: str) -> None:
+def check_endpoint(socket_path: str) -> frozenset[int]:
     """Raise :class:`EndpointUnsafe` unless the daemon's sockets are in a place no other
-    user controls, and owned by root or us."""
+    user controls, owned by a user we may trust there (root, us, or the user root gave
+    the directory to); return those users."""
     directory = os.path.dirname(os.path.abspath(socket_path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, "no daemon is listening", socket_path)
-    if reason := unsafe_directory(directory):
+    owners, reason = trusted_owners(directory)
+    if reason:
         raise EndpointUnsafe(reason)
     for path in (socket_path, access_socket_path(socket_path)):
         if not os.path.lexists(path):
             raise FileNotFoundError(errno.ENOENT, "no daemon is listening", path)
         if reason := unsafe_socket(path):
             raise EndpointUnsafe(reason)
+    return owners
 
 
 def grant(socket_path: str, paths: Sequence[str], *, timeout: float) -> Granted:
     """Open ``paths`` ourselves, pass the descriptors of those that open to the daemon,
     and return its token for them. Raises OSError (the daemon is unreachable),
     :class:`EndpointUnsafe` or :class:`AccessRefused`."""
-    check_endpoint(socket_path)
+    owners = check_endpoint(socket_path)
     granted = Granted()
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
         conn.settimeout(timeout)
@@ -92,7 +95,7 @@ def grant(socket_path: str, paths: Sequence[str], *, timeout: float) -> Granted:
         _, uid, _ = _UCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
-        if uid not in (0, os.geteuid()):
+        if uid not in owners:
             raise EndpointUnsafe(f"{access_socket_path(socket_path)} is served by uid {uid}")
         position = 0
         while True:

@@ -426,6 +426,8 @@ class Client:
         for position, reason in granted.failures.items():
             groups = np.unique(group_index[file_index == position])
             ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {reason}")
+        if not granted.files:  # nothing this process may read: nothing to ask for
+            return None
         failed = np.isin(file_index, list(granted.failures))
         renumber = np.full(len(request.files), -1, dtype=np.int64)
         renumber[granted.files] = np.arange(len(granted.files))
@@ -473,14 +475,16 @@ class Client:
         from spanwarm.rpc.v1 import warmer_pb2
 
         stub = self._stub()
-        try:  # a grant of no files proves who we are
-            token = grant(self.socket, [], timeout=self.timeout).token
-        except (OSError, AccessRefused) as exc:
-            logger.debug("spanwarm: no token for Status (%s): node totals only", exc)
-            token = ""
-        return message_dict(
-            stub.Status(warmer_pb2.StatusRequest(token=token), timeout=self.timeout)
-        )
+        now = time.monotonic()
+        if now >= self._status_token[1]:
+            try:  # a grant of no files proves who we are (kept for half its life)
+                granted = grant(self.socket, [], timeout=self.timeout)
+                self._status_token = (granted.token, now + granted.expires_s / 2)
+            except (OSError, AccessRefused) as exc:
+                logger.debug("spanwarm: no token for Status (%s): node totals only", exc)
+                self._status_token = ("", now)
+        request = warmer_pb2.StatusRequest(token=self._status_token[0])
+        return message_dict(stub.Status(request, timeout=self.timeout))
 
     def _released(self, names: list[str]) -> Ticket:
         ticket = Ticket(names, [0] * len(names))

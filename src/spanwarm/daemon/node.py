@@ -263,6 +263,7 @@ class Node:
         self._usage: dict[int, tuple[float, float]] = {}  # uid -> (decayed bytes, as of)
         self._user_in_flight: collections.Counter[int] = collections.Counter()
         self._preempt: frozenset[int] = frozenset()  # uids whose operations should stop
+        self._unservable: set[int] = set()  # uids the last dispatch found nothing to warm for
         self._piece = max(PAGE, self.chunk // _PIECES)
         self._in_flight = 0
         self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
@@ -577,12 +578,13 @@ class Node:
                 users.setdefault(r.uid, []).append(r)
         now = time.monotonic()
         order = sorted(users, key=lambda u: (self._usage_of(u, now), self._user_in_flight[u], u))
+        self._unservable.clear()
         for uid in order:
-            if self._user_in_flight[uid] >= self._in_flight_cap(uid):
-                continue
-            item = self._next_of(uid, users[uid], over_budget)
-            if item is not None:
-                return (*item, uid)
+            if self._user_in_flight[uid] < self._in_flight_cap(uid):
+                item = self._next_of(uid, users[uid], over_budget)
+                if item is not None:
+                    return (*item, uid)
+            self._unservable.add(uid)  # a worker freed now would not go to it
         return None
 
     def _to_preempt(self) -> frozenset[int]:
@@ -602,7 +604,7 @@ class Node:
         starved = [
             self._usage_of(u, now)
             for u, cells in pending.items()
-            if cells > self._user_in_flight[u] < self._in_flight_cap(u)
+            if cells > self._user_in_flight[u] and u not in self._unservable
         ]
         if not starved:
             return frozenset()

@@ -203,12 +203,6 @@ class WarmerService:
                     request = beat
             if request.token:
                 grant = self.grants.spend(request.token)
-                try:
-                    self._check_user_bytes(grant.peer.uid, request)
-                except BaseException:
-                    for file in grant.files:
-                        self.node.files.release(file)
-                    raise
             elif not self.owner_only():
                 raise self._unproven("Warm")
             live = None
@@ -251,17 +245,13 @@ class WarmerService:
             if live.spans > _LARGE:
                 self._trim_soon()
 
-    def _check_user_bytes(self, uid: int, request: Any) -> None:
-        """Refuse a request that takes its uid past ``--user-max-bytes`` (a decoded
-        request is checked by the bytes it names, an admitted one again, exactly)."""
+    def _check_user_bytes(self, uid: int, request: Request) -> None:
+        """Refuse a request that takes its uid past ``--user-max-bytes`` (checked once it
+        is admitted: the bytes it names are exact then)."""
         cap = self.config.user_max_bytes
         if cap is None or uid in self.node.trusted_uids:
             return
-        if isinstance(request, Request):
-            mine = request.nbytes
-        else:  # an upper bound before admission: lengths x counts, as sent
-            mine = sum(a * b for a, b in zip(request.length, request.count, strict=False))
-        if self.node.user_bytes(uid) + mine > cap:
+        if self.node.user_bytes(uid) + request.nbytes > cap:
             raise RequestTooLargeError(
                 f"uid {uid}'s live requests would name more than {cap} bytes (--user-max-bytes)"
             )

@@ -3,22 +3,25 @@
 Shared by the daemon and its clients. A socket is only as private as the directories
 above it: whoever may write one of them can replace the socket with their own (and
 listen for what ranks send, or stall them). So both sides refuse a socket whose
-directory chain another non-root user controls: a directory owned by someone else
-(unless root gave it to them, as systemd's RuntimeDirectory= does for a daemon's user:
-its parent is root's and nobody else may write there), or one that group or others may
-write without the sticky bit (with it, as in /tmp, nobody can rename or remove another
-user's entries). The client also refuses a socket owned by anyone else.
+directory chain another user controls: a directory owned by someone other than root or
+the daemon's user, or one that group or others may write without the sticky bit (with
+it, as in /tmp, nobody can rename or remove another user's entries). A client trusts
+root, itself, the users named in ``$SPANWARM_DAEMON_USER``, and a system account root
+gave the directory to; it refuses a socket owned by anyone else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
 
 __all__ = [
     "access_socket_path",
+    "daemon_users",
     "default_socket_path",
     "private_directory",
     "trusted_owners",
@@ -51,14 +54,47 @@ def _describe(path: str, st: os.stat_result) -> str:
     return f"{path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
 
 
-def trusted_owners(directory: str, uid: int | None = None) -> tuple[frozenset[int], str | None]:
+def _system_uid_max() -> int:
+    """The highest uid of a system account (``SYS_UID_MAX`` in /etc/login.defs, 999)."""
+    try:
+        for line in Path("/etc/login.defs").read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[0] == "SYS_UID_MAX" and fields[1].isdigit():
+                return int(fields[1])
+    except OSError:
+        pass
+    return 999
+
+
+def daemon_users() -> frozenset[int]:
+    """Users a client trusts to run the daemon besides root and itself: the uids or names
+    in ``$SPANWARM_DAEMON_USER`` (comma-separated; e.g. the image's 10001 in Kubernetes)."""
+    uids = set()
+    for entry in os.environ.get("SPANWARM_DAEMON_USER", "").split(","):
+        entry = entry.strip()
+        if entry.isdigit():
+            uids.add(int(entry))
+        elif entry:
+            with contextlib.suppress(KeyError):  # no such user: nobody to trust
+                uids.add(pwd.getpwnam(entry).pw_uid)
+    return frozenset(uids)
+
+
+def trusted_owners(
+    directory: str, uid: int | None = None, *, delegate: bool = False
+) -> tuple[frozenset[int], str | None]:
     """Who may own the sockets in ``directory``, and why nobody should use it (None: it
-    is safe). Every directory from the root down is checked: each must be owned by root,
-    by ``uid`` (by default ours), or by a user root gave it to (its parent is root's and
-    nobody else may write there: /run/spanwarm for a daemon's system user), and none may
-    be writable by group or others without the sticky bit."""
+    is safe). Every directory from the root down is checked: each must be owned by root
+    or ``uid`` (by default ours), and none may be writable by group or others without the
+    sticky bit. With ``delegate`` (a client's view), a directory may also belong to a
+    user from :func:`daemon_users`, or to a system account (uid up to ``SYS_UID_MAX``)
+    that root gave it to: its parent is root's and nobody else may write there, as
+    systemd's ``RuntimeDirectory=`` makes /run/spanwarm for ``User=spanwarm``. Never a
+    regular user's directory: /home/<user> is root's gift too."""
     uid = os.geteuid() if uid is None else uid
     owners = {0, uid}
+    named = daemon_users() if delegate else frozenset()
+    system = _system_uid_max() if delegate else -1
     try:
         real = Path(os.path.realpath(directory))
         chain = [*reversed(real.parents), real]
@@ -66,12 +102,12 @@ def trusted_owners(directory: str, uid: int | None = None) -> tuple[frozenset[in
         for path in chain:
             st = os.stat(path)
             if st.st_uid not in owners:
-                delegated = (
+                given = (
                     parent is not None
                     and parent.st_uid == 0
                     and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
                 )
-                if not delegated:
+                if not (st.st_uid in named or (given and 0 < st.st_uid <= system)):
                     return frozenset(), f"{_describe(str(path), st)} belongs to another user"
                 owners.add(st.st_uid)
             writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
@@ -82,7 +118,7 @@ def trusted_owners(directory: str, uid: int | None = None) -> tuple[frozenset[in
             parent = st
     except OSError as exc:
         return frozenset(), f"{directory}: {exc.strerror}"
-    return frozenset(owners), None
+    return frozenset(owners | named), None
 
 
 def unsafe_directory(directory: str, uid: int | None = None) -> str | None:
@@ -93,8 +129,10 @@ def unsafe_directory(directory: str, uid: int | None = None) -> str | None:
 
 def unsafe_socket(path: str, uid: int | None = None) -> str | None:
     """Why a client must not talk to the socket at ``path`` (None: it may). The socket must
-    be a socket owned by a trusted owner of a safe directory (:func:`trusted_owners`)."""
-    owners, reason = trusted_owners(os.path.dirname(os.path.abspath(path)) or "/", uid)
+    be a socket owned by a trusted owner of a safe directory (:func:`trusted_owners`, as a
+    client sees it)."""
+    directory = os.path.dirname(os.path.abspath(path)) or "/"
+    owners, reason = trusted_owners(directory, uid, delegate=True)
     if reason:
         return reason
     try:

@@ -183,6 +183,85 @@ def caps(args: dict[str, Any]) -> dict[str, Any]:
 
 
 @action
+def hog(args: dict[str, Any]) -> dict[str, Any]:
+    """Open ``connections`` access-channel connections, send nothing, hold them ``seconds``."""
+    held = []
+    for _ in range(args["connections"]):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(access_socket_path(args["socket"]))
+        except OSError:
+            conn.close()
+            break
+        held.append(conn)
+    print(json.dumps({"holding": len(held)}), flush=True)
+    time.sleep(args["seconds"])
+    for conn in held:
+        conn.close()
+    return {"held": len(held)}
+
+
+@action
+def fd_flood(args: dict[str, Any]) -> dict[str, Any]:
+    """Send one descriptor of ``path`` 253 times per datagram, ``datagrams`` times, then
+    end the grant: the reply's code."""
+    fd = os.open(args["path"], os.O_RDONLY)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("253i", *[fd] * 253))]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(30)
+        conn.connect(access_socket_path(args["socket"]))
+        try:
+            for _ in range(args["datagrams"]):
+                more = warmer_pb2.GrantRequest(descriptors=253, last=False).SerializeToString()
+                conn.sendmsg([more], rights)
+            end = warmer_pb2.GrantRequest(last=True).SerializeToString()
+            conn.sendmsg([end])
+            reply = warmer_pb2.GrantReply.FromString(conn.recv(4096))
+        except OSError as exc:  # refused mid-way: the daemon answered and hung up
+            data = conn.recv(4096)
+            if not data:
+                return {"code": f"closed: {exc}", "details": ""}
+            reply = warmer_pb2.GrantReply.FromString(data)
+    os.close(fd)
+    return {"code": reply.code or "OK", "details": reply.reason}
+
+
+_CLONE_NEWUSER, _CLONE_NEWNS = 0x10000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+
+
+@action
+def namespace_grant(args: dict[str, Any]) -> dict[str, Any]:
+    """In a user and mount namespace of our own, bind-mount ``source`` (outside the allowed
+    roots) onto ``target`` (inside them, a directory of ours) and ask for a grant of
+    ``target/name``. Runs in a child: a new user namespace needs one thread."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        libc = ctypes.CDLL(None, use_errno=True)
+        out: dict[str, Any]
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
+            out = {"code": "SKIP", "details": f"unshare: {os.strerror(ctypes.get_errno())}"}
+        elif (
+            libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0
+            or libc.mount(args["source"].encode(), args["target"].encode(), None, _MS_BIND, None)
+            != 0
+        ):
+            out = {"code": "SKIP", "details": f"mount: {os.strerror(ctypes.get_errno())}"}
+        else:
+            out = _grant_fd(args["socket"], os.O_RDONLY, f"{args['target']}/{args['name']}")
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 65536):
+        data += chunk
+    os.waitpid(pid, 0)
+    return dict(json.loads(data))
+
+
+@action
 def status(args: dict[str, Any]) -> dict[str, Any]:
     client = Client(args["socket"])
     try:

@@ -254,6 +254,92 @@ def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
     assert "--user-max-bytes" in result["details"]
 
 
+def test_one_users_idle_connections_do_not_lock_out_another(area: Area) -> None:
+    with group_daemon(area) as daemon:
+        hog = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.as_user",
+                MALLORY,
+                "hog",
+                json.dumps({"socket": daemon.socket, "connections": 300, "seconds": 20}),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            assert hog.stdout is not None
+            assert json.loads(hog.stdout.readline())["holding"] > 0
+            result = as_user(
+                ALICE, "client_warm", socket=daemon.socket, paths=[str(area.own)], length=4096
+            )
+            assert result["ready"] == 1, result
+        finally:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_descriptor_sent_thousands_of_times_is_held_once(area: Area) -> None:
+    with group_daemon(area, "--user-max-files", "5000") as daemon:
+        flood = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=8)
+        fds = len(os.listdir(f"/proc/{daemon.process.pid}/fd"))
+        over = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=30)
+    assert flood["code"] == "OK", flood  # 2,024 references, one descriptor
+    assert fds < 64, fds
+    assert over["code"] == "RESOURCE_EXHAUSTED", over
+    assert "--user-max-files" in over["details"]
+
+
+def test_a_bind_mount_in_a_private_namespace_does_not_pass_the_allowed_roots(
+    area: Area,
+) -> None:
+    target = area.alice_dir / "ckpt"
+    target.mkdir(exist_ok=True)
+    entry = pwd.getpwnam(ALICE)
+    os.chown(target, entry.pw_uid, entry.pw_gid)
+    with group_daemon(area) as daemon:
+        result = as_user(
+            ALICE,
+            "namespace_grant",
+            socket=daemon.socket,
+            source="/etc",
+            target=str(target),
+            name="passwd",
+        )
+    if result["code"] == "SKIP":
+        pytest.skip(f"no unprivileged user namespaces here: {result['details']}")
+    assert result["code"] == "PERMISSION_DENIED", result
+    assert "as the daemon sees the file system" in result["details"]
+    assert not result["token"]
+
+
+def test_a_socket_directory_root_gave_a_regular_user_is_refused(area: Area) -> None:
+    directory = area.root / "squatter"
+    directory.mkdir(mode=0o755)
+    entry = pwd.getpwnam(SQUATTER)
+    os.chown(directory, entry.pw_uid, entry.pw_gid)
+    result = subprocess.run(
+        [sys.executable, "-m", "spanwarm", "serve", "--socket", str(directory / "d.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"owner uid {entry.pw_uid}" in result.stderr
+    # A client trusts such a directory only for a system account, or one it names.
+    from spanwarm.endpoint import trusted_owners
+
+    assert trusted_owners(str(directory), entry.pw_uid + 1, delegate=True)[1] is not None
+    os.environ["SPANWARM_DAEMON_USER"] = SQUATTER
+    try:
+        assert trusted_owners(str(directory), entry.pw_uid + 1, delegate=True)[1] is None
+    finally:
+        del os.environ["SPANWARM_DAEMON_USER"]
+
+
 def test_a_symlink_swap_race_never_reaches_etc_shadow(area: Area) -> None:
     shadow = os.stat("/etc/shadow").st_size
     link, plain = area.alice_dir / "link", area.alice_dir / "plain"

@@ -67,12 +67,12 @@ def _open(path: str) -> int:
 
 def check_endpoint(socket_path: str) -> frozenset[int]:
     """Raise :class:`EndpointUnsafe` unless the daemon's sockets are in a place no other
-    user controls, owned by a user we may trust there (root, us, or the user root gave
-    the directory to); return those users."""
+    user controls, owned by a user we may trust there (root, us, ``$SPANWARM_DAEMON_USER``,
+    or a system account root gave the directory to); return those users."""
     directory = os.path.dirname(os.path.abspath(socket_path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, "no daemon is listening", socket_path)
-    owners, reason = trusted_owners(directory)
+    owners, reason = trusted_owners(directory, delegate=True)
     if reason:
         raise EndpointUnsafe(reason)
     for path in (socket_path, access_socket_path(socket_path)):

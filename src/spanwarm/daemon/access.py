@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
 import struct
+import time
 
 from google.protobuf.message import DecodeError
 
@@ -42,7 +44,9 @@ logger = logging.getLogger("spanwarm.daemon")
 SCM_MAX_FD = 253  # the kernel's limit on descriptors in one message
 GRANT_SECONDS = 10.0  # a connection has this long to send its descriptors and be answered
 _DATAGRAM = 64  # a GrantRequest is a few bytes; anything longer is refused as cut short
-_MAX_CONNECTIONS = 256  # open at once, for everyone; more are closed at once
+_MAX_CONNECTIONS = 1024  # open at once, for everyone; more are closed at once
+_USER_CONNECTIONS = 16  # open at once for one uid (root and the daemon's user: no limit)
+_WARN_EVERY = 10.0  # seconds between two warnings that connections cannot be accepted
 _CHECK_THREADS = 2  # per uid
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -52,14 +56,28 @@ class _Closed(Exception):
 
 
 class AccessServer:
-    def __init__(self, path: str, files: FileTable, grants: Grants, *, max_files: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        files: FileTable,
+        grants: Grants,
+        *,
+        max_files: int,
+        user_max_files: int,
+        trusted: frozenset[int],
+    ) -> None:
         self.path = path
         self.files = files
         self.grants = grants
         self.max_files = max_files
+        self.user_max_files = user_max_files
+        self.trusted = trusted
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pools: dict[int, DaemonThreadPool] = {}
+        self._connections: collections.Counter[int] = collections.Counter()
+        self._receiving: collections.Counter[int] = collections.Counter()  # descriptors
+        self._warned = -float("inf")
 
     def start(self) -> None:
         """Bind (mode 0600 from the first instant: the caller sets it for the group
@@ -103,37 +121,38 @@ class AccessServer:
                 conn, _ = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError as exc:  # EMFILE and the like: the caller will time out and retry
-                logger.warning("access channel: cannot accept: %s", exc)
+            except OSError as exc:  # EMFILE and the like: the caller times out and retries
+                now = time.monotonic()
+                if now - self._warned > _WARN_EVERY:  # a flood must not flood the log too
+                    self._warned = now
+                    logger.warning("access channel: cannot accept: %s", exc)
                 return
-            if len(self._tasks) >= _MAX_CONNECTIONS:
-                conn.close()
+            peer = Peer(
+                *_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            )
+            if len(self._tasks) >= _MAX_CONNECTIONS or (
+                peer.uid not in self.trusted and self._connections[peer.uid] >= _USER_CONNECTIONS
+            ):
+                conn.close()  # one user's idle connections must not lock the others out
                 continue
             conn.setblocking(False)
-            task = loop.create_task(self._serve(conn))
+            self._connections[peer.uid] += 1
+            task = loop.create_task(self._serve(conn, peer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        fds: list[int] = []
+    async def _serve(self, conn: socket.socket, peer: Peer) -> None:
+        files: list[OpenFile] = []  # adopted so far: given back unless a grant takes them
+        received = [0]  # descriptors this connection counts in self._receiving
         try:
-            pid, uid, gid = _UCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
-            peer = Peer(pid, uid, gid)
             try:
                 async with asyncio.timeout(GRANT_SECONDS):
-                    await self._receive(conn, fds)
-                    files = await self._adopt(peer, fds)
-                try:
-                    grant = self.grants.issue(peer, files)
-                except BaseException:
-                    for file in files:
-                        self.files.release(file)
-                    raise
+                    await self._receive(conn, peer, files, received)
+                grant = self.grants.issue(peer, files)
+                files = []
                 reply = warmer_pb2.GrantReply(token=grant.token, expires_s=self.grants.ttl)
             except SpanwarmError as exc:
-                logger.info("access channel: refused uid %d (pid %d): %s", uid, pid, exc)
+                logger.info("access channel: refused uid %d (pid %d): %s", peer.uid, peer.pid, exc)
                 reply = warmer_pb2.GrantReply(code=exc.grpc_code, reason=str(exc)[:1000])
             except TimeoutError:
                 reply = warmer_pb2.GrantReply(
@@ -147,13 +166,25 @@ class AccessServer:
         except Exception:
             logger.exception("access channel: unexpected error")
         finally:
-            for fd in fds:
-                os.close(fd)
+            for file in files:
+                self.files.release(file)
             conn.close()
+            self._receiving[peer.uid] -= received[0]
+            if self._receiving[peer.uid] <= 0:
+                del self._receiving[peer.uid]
+            self._connections[peer.uid] -= 1
+            if not self._connections[peer.uid]:
+                del self._connections[peer.uid]
+                pool = self._pools.pop(peer.uid, None)
+                if pool is not None:  # threads for a user come and go with its grants
+                    pool.shutdown(wait=False)
 
-    async def _receive(self, conn: socket.socket, fds: list[int]) -> None:
-        """Read datagrams until the one marked last; their descriptors go into ``fds`` as
-        they arrive (so that every one is closed, whatever happens next)."""
+    async def _receive(
+        self, conn: socket.socket, peer: Peer, files: list[OpenFile], received: list[int]
+    ) -> None:
+        """Read datagrams until the one marked last, checking and keeping each one's
+        descriptors as it arrives (so a descriptor sent a thousand times is held once).
+        ``received[0]`` counts them, as the uid's share of ``_receiving``."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -164,31 +195,44 @@ class AccessServer:
                 await _readable(loop, conn)
                 continue
             got = _descriptors(ancillary)
-            fds.extend(got)
-            if not data and not got:
-                raise _Closed
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-                raise InvalidRequestError(
-                    "a grant datagram was cut short (more than 64 bytes, more than "
-                    f"{SCM_MAX_FD} descriptors, or the daemon is out of descriptors)"
-                )
             try:
-                message = warmer_pb2.GrantRequest.FromString(data)
-            except DecodeError as exc:
-                raise InvalidRequestError(f"not a valid GrantRequest: {exc}") from None
-            if message.descriptors != len(got):
-                raise InvalidRequestError(
-                    f"a datagram says it carries {message.descriptors} descriptors and "
-                    f"carries {len(got)}"
-                )
-            if len(fds) > self.max_files:
-                raise RequestTooLargeError(
-                    f"more than {self.max_files} descriptors in one grant (--max-files)"
-                )
+                if not data and not got:
+                    raise _Closed
+                if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    raise InvalidRequestError(
+                        "a grant datagram was cut short (more than 64 bytes, more than "
+                        f"{SCM_MAX_FD} descriptors, or the daemon is out of descriptors)"
+                    )
+                try:
+                    message = warmer_pb2.GrantRequest.FromString(data)
+                except DecodeError as exc:
+                    raise InvalidRequestError(f"not a valid GrantRequest: {exc}") from None
+                if message.descriptors != len(got):
+                    raise InvalidRequestError(
+                        f"a datagram says it carries {message.descriptors} descriptors and "
+                        f"carries {len(got)}"
+                    )
+                if received[0] + len(got) > self.max_files:
+                    raise RequestTooLargeError(
+                        f"more than {self.max_files} descriptors in one grant (--max-files)"
+                    )
+                held = self.grants.references(peer.uid) + self._receiving[peer.uid]
+                if peer.uid not in self.trusted and held + len(got) > self.user_max_files:
+                    raise RequestTooLargeError(
+                        f"uid {peer.uid} would hold more than {self.user_max_files} files "
+                        "in grants and requests (--user-max-files)"
+                    )
+            except BaseException:
+                for fd in got:
+                    self.files.close_fd(fd)
+                raise
+            self._receiving[peer.uid] += len(got)  # until the connection ends (_serve)
+            received[0] += len(got)
+            files += await self._adopt(peer, got, first=received[0] - len(got))
             if message.last:
                 return
 
-    async def _adopt(self, peer: Peer, fds: list[int]) -> list[OpenFile]:
+    async def _adopt(self, peer: Peer, fds: list[int], *, first: int) -> list[OpenFile]:
         """Check and keep the descriptors, in a thread of the caller's uid. They pass to
         the file table (which closes any it refuses); if we stop waiting, what the thread
         took is given back when it finishes."""
@@ -199,14 +243,13 @@ class AccessServer:
             pool = self._pools[peer.uid] = DaemonThreadPool(
                 _CHECK_THREADS, f"spanwarm-access-{peer.uid}", nice=10
             )
-        handed, fds[:] = list(fds), []
-        job = pool.submit(self._adopt_blocking, handed)
+        job = pool.submit(self._adopt_blocking, fds, first)
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             if job.cancel():  # never started: the descriptors are still ours to close
-                for fd in handed:
-                    os.close(fd)
+                for fd in fds:
+                    self.files.close_fd(fd)
             else:
                 job.add_done_callback(self._give_back)
             raise
@@ -216,14 +259,14 @@ class AccessServer:
             for file in job.result():
                 self.files.release(file)
 
-    def _adopt_blocking(self, fds: list[int]) -> list[OpenFile]:
+    def _adopt_blocking(self, fds: list[int], first: int) -> list[OpenFile]:
         files: list[OpenFile] = []
         for position, fd in enumerate(fds):
             try:
-                files.append(self.files.adopt(fd, f"descriptor {position}"))
+                files.append(self.files.adopt(fd, f"descriptor {first + position}"))
             except BaseException:
                 for rest in fds[position + 1 :]:
-                    os.close(rest)
+                    self.files.close_fd(rest)
                 for file in files:
                     self.files.release(file)
                 raise

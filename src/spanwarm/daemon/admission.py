@@ -10,6 +10,7 @@ by identity across every request on the node.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -137,6 +138,50 @@ def kernel_name(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS = 0x02, 0x04
+_SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
+_O_PATH_FLAGS = _O_PATH | os.O_CLOEXEC
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _open_no_symlinks(path: str) -> int:
+    """An ``O_PATH`` descriptor for ``path`` reached through no symlink at all (openat2
+    with RESOLVE_NO_SYMLINKS; on kernels before 5.6, realpath then open, a weaker check)."""
+    how = _OpenHow(_O_PATH_FLAGS, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(_SYS_OPENAT2, -100, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
+    if fd >= 0:
+        return int(fd)
+    err = ctypes.get_errno()
+    if err != errno.ENOSYS:
+        raise OSError(err, os.strerror(err), path)
+    if os.path.realpath(path) != path:
+        raise OSError(errno.ELOOP, "reached through a symlink", path)
+    return os.open(path, _O_PATH_FLAGS)
+
+
+def _seen_here(name: str, st: os.stat_result) -> bool:
+    """Whether the daemon's own view of the file system has this very file at ``name``.
+
+    The kernel names a descriptor from another mount namespace by its path *there*: a user
+    who bind-mounts /etc under an allowed root in a namespace of its own would otherwise
+    pass the allowed-roots check with /etc/passwd."""
+    try:
+        here = _open_no_symlinks(name)
+    except OSError:
+        return False
+    try:
+        seen = os.fstat(here)
+    finally:
+        os.close(here)
+    return (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino)
+
+
 class FileTable:
     """Open files by identity, reference-counted by the requests (and grants) using them.
 
@@ -179,11 +224,20 @@ class FileTable:
                     label,
                     f"is {_shown(name)}, outside the allowed roots {list(self._roots)}",
                 )
+            if not _seen_here(name, st):
+                if self._roots:
+                    raise PathNotAllowedError(
+                        label,
+                        f"is not at {_shown(name)} as the daemon sees the file system (opened "
+                        "in another mount namespace, or through a path that changed): the "
+                        "allowed roots cannot vouch for it",
+                    )
+                name += " (elsewhere for the daemon)"  # shown to others: not a name to trust
         except OSError as exc:
-            os.close(fd)
+            self._close(fd)
             raise lookup_error(label, exc) from None
         except BaseException:
-            os.close(fd)
+            self._close(fd)
             raise
         return self._share(fd, name, FileIdentity.of(st))
 
@@ -213,11 +267,15 @@ class FileTable:
             raise lookup_error(path, exc) from None
         return self.adopt(fd, path)
 
+    def close_fd(self, fd: int) -> None:
+        """Close a descriptor we will not keep, the way files are closed (see __init__)."""
+        self._close(fd)
+
     def _share(self, fd: int, name: str, identity: FileIdentity) -> OpenFile:
         with self._lock:
             shared = self._files.get(identity)
             if shared is not None:
-                os.close(fd)
+                self._close(fd)
                 shared.refs += 1
                 return shared
             file = OpenFile(name, fd, identity)

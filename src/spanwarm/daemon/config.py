@@ -143,6 +143,13 @@ class DaemonConfig:
         kind="size",
         help="most bytes the live requests of one uid may name (default: no limit)",
     )
+    user_max_files: int = _setting(
+        65_536,
+        flag="--user-max-files",
+        kind="int",
+        help="most files one uid's live grants and requests may hold (each grant counts "
+        "its files; the daemon keeps one descriptor per distinct file)",
+    )
     user_max_in_flight: int | None = _setting(
         None,
         flag="--user-max-in-flight",
@@ -234,6 +241,8 @@ class DaemonConfig:
                 raise ConfigError(f"{name}: must be between 1 and 2**40, got {value}")
         if self.user_max_requests < 1:
             raise ConfigError(f"user_max_requests: must be >= 1, got {self.user_max_requests}")
+        if self.user_max_files < 1:
+            raise ConfigError(f"user_max_files: must be >= 1, got {self.user_max_files}")
         if self.user_max_bytes is not None and self.user_max_bytes < 1:
             raise ConfigError(f"user_max_bytes: must be >= 1, got {self.user_max_bytes}")
         if self.user_max_in_flight is not None and self.user_max_in_flight < 1:

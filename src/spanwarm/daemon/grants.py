@@ -11,6 +11,7 @@ All of it runs on the event loop: no locks.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import secrets
 import time
@@ -39,6 +40,10 @@ class Grant:
     expires: float
     spent: bool = False
 
+    @property
+    def references(self) -> int:
+        return len(self.files)
+
 
 class Grants:
     """Live tokens, and each uid's share of the node's requests.
@@ -57,9 +62,15 @@ class Grants:
         self._unspent: dict[str, Grant] = {}
         self._live: dict[str, int] = {}  # token of a live request -> its uid
         self._slots: dict[int, int] = {}
+        self._references: collections.Counter[int] = collections.Counter()  # files, per uid
 
     def slots(self, uid: int) -> int:
         return self._slots.get(uid, 0)
+
+    def references(self, uid: int) -> int:
+        """Files (counted once per grant naming them) the uid's live grants and requests
+        hold."""
+        return self._references[uid]
 
     def issue(self, peer: Peer, files: list[OpenFile]) -> Grant:
         """A token for ``files`` (their references pass to the grant); refused past the
@@ -72,6 +83,7 @@ class Grants:
         grant = Grant(secrets.token_urlsafe(32), peer, files, time.monotonic() + self.ttl)
         self._unspent[grant.token] = grant
         self._slots[peer.uid] = self.slots(peer.uid) + 1
+        self._references[peer.uid] += grant.references
         return grant
 
     def spend(self, token: str) -> Grant:
@@ -90,7 +102,7 @@ class Grants:
     def finished(self, grant: Grant) -> None:
         """The request that spent ``grant`` ended (or never started)."""
         if self._live.pop(grant.token, None) is not None:
-            self._free_slot(grant.peer.uid)
+            self._free_slot(grant)
 
     def uid_of(self, token: str) -> int | None:
         """The uid behind a live token (unspent, or its request still live)."""
@@ -107,21 +119,24 @@ class Grants:
         lapsed = [g for g in self._unspent.values() if g.expires <= now]
         for grant in lapsed:
             del self._unspent[grant.token]
-            self._free_slot(grant.peer.uid)
+            self._free_slot(grant)
             for file in grant.files:
                 self._files.release(file)
-            grant.files = []
         return len(lapsed)
 
     def close(self) -> None:
         self.expire(float("inf"))
 
-    def _free_slot(self, uid: int) -> None:
+    def _free_slot(self, grant: Grant) -> None:
+        uid = grant.peer.uid
         left = self.slots(uid) - 1
         if left > 0:
             self._slots[uid] = left
         else:
             self._slots.pop(uid, None)
+        self._references[uid] -= grant.references
+        if self._references[uid] <= 0:
+            del self._references[uid]
 
 
 def same_token(a: str, b: str) -> bool:

@@ -23,9 +23,11 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
   completed, so each byte is read once per node; a late arrival re-checks residency
   (where mincore can be trusted) instead of reading again.
 - **Order.** Users (uids) share the workers fairly: the next operation goes to the user
-  the node served least lately (bytes warmed, decaying by half every
-  ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; so one user's
-  flood of streams cannot starve another user's load. Within a user, its requests take
+  the node served least lately (bytes warmed plus a seek per operation, decaying by half
+  every ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; while such
+  a user has cells waiting and every worker is busy, heavier users' operations stop at
+  their next piece (``_to_preempt``). So one user's flood of streams cannot starve
+  another user's load. Within a user, its requests take
   turns (round robin); each one's cells go in the order its spans came, so every rank's
   first tensors are warm first. Cells the plan reads that no request needs (bridged
   gaps, whole files) take the last turn, in the turns of the users whose files they are.
@@ -784,7 +786,9 @@ class Node:
             self.metrics.add(self.metrics.resident, outcome.verified)
             self.metrics.add(self.metrics.latency, done - started)
             self._recent.append((done, outcome.read + outcome.verified))
-            self._used(uid, outcome.read + outcome.verified)
+            # Each operation costs a seek as well as its bytes (the cost model's price): a
+            # user of many tiny reads is not "served little" while it keeps the storage busy.
+            self._used(uid, outcome.read + outcome.verified + self.config.seek_cost)
             if outcome.bad:
                 self._fail_ranges(key, outcome.bad)
                 warmed_cell.bad += tuple((b.start, b.stop, done) for b in outcome.bad)

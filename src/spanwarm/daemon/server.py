@@ -110,7 +110,12 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         exempt=node.trusted_uids,
     )
     access = AccessServer(
-        access_socket_path(config.socket), node.files, grants, max_files=config.max_files
+        access_socket_path(config.socket),
+        node.files,
+        grants,
+        max_files=config.max_files,
+        user_max_files=config.user_max_files,
+        trusted=node.trusted_uids,
     )
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE),

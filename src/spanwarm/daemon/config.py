@@ -144,7 +144,7 @@ class DaemonConfig:
         help="most bytes the live requests of one uid may name (default: no limit)",
     )
     user_max_files: int = _setting(
-        65_536,
+        32_768,
         flag="--user-max-files",
         kind="int",
         help="most files one uid's live grants and requests may hold (each grant counts "

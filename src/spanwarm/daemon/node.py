@@ -442,6 +442,7 @@ class Node:
         if empty.size:
             request.events.put_nowait(Event("ready", tuple(empty.tolist())))
         self._finish_if_resolved(request)
+        self._unservable.discard(request.uid)  # it has work now: worth preempting for
         self._wake.set()
 
     def release(self, request: Request) -> None:

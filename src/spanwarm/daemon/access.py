@@ -11,9 +11,11 @@ its ``Warm`` call carries. The protocol is in protos/spanwarm/v1/warmer.proto (G
 
 What a caller cannot make us do: read a file it could not open, follow a path it
 controls, or hold a connection, a thread or a descriptor for long. A grant must arrive
-within ``GRANT_SECONDS``; descriptors are checked in threads of the caller's own uid (a
-user's hung FUSE mount stalls only that user's grants); anything not passed on to a
-grant is closed.
+within ``GRANT_SECONDS``; a uid may have ``_USER_CONNECTIONS`` connections open (its idle
+ones cannot lock others out) and ``--user-max-files`` file references in grants and
+requests; descriptors are checked as each datagram arrives (one sent a thousand times is
+held once), in threads of the caller's own uid (a user's hung FUSE mount stalls only
+that user's grants); anything not passed on to a grant is closed.
 """
 
 from __future__ import annotations
@@ -127,9 +129,15 @@ class AccessServer:
                     self._warned = now
                     logger.warning("access channel: cannot accept: %s", exc)
                 return
-            peer = Peer(
-                *_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            )
+            try:
+                peer = Peer(
+                    *_UCRED.unpack(
+                        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                    )
+                )
+            except OSError:
+                conn.close()
+                continue
             if len(self._tasks) >= _MAX_CONNECTIONS or (
                 peer.uid not in self.trusted and self._connections[peer.uid] >= _USER_CONNECTIONS
             ):

@@ -131,7 +131,11 @@ def raw_warm(args: dict[str, Any]) -> dict[str, Any]:
     but naming the secret; then passing an O_PATH descriptor of the secret."""
     with grpc.insecure_channel(f"unix:{args['socket']}") as channel:
         stub = warmer_pb2_grpc.WarmerStub(channel)
-        results = {"by_name": _warm_raw(stub, _request([args["secret"]], args["length"]))}
+        results = {
+            "by_name": _warm_raw(stub, _request([args["secret"]], args["length"])),
+            "inner_by_name": _warm_raw(stub, _request([args["inner"]], args["length"])),
+            "inner_o_path": _grant_fd(args["socket"], os.O_PATH, args["inner"]),
+        }
         token = grant(args["socket"], [args["own"]], timeout=10).token
         results["label_swap"] = _warm_raw(
             stub, _request([args["secret"]], args["length"], token=token)

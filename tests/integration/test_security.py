@@ -167,17 +167,21 @@ def test_a_member_warms_its_own_file_and_nothing_it_cannot_read(area: Area) -> N
 
 def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
     evict(area.secret)
+    evict(area.inner)
     with group_daemon(area) as daemon:
         result = as_user(
             ALICE,
             "raw_warm",
             socket=daemon.socket,
             secret=str(area.secret),
+            inner=str(area.inner),
             own=str(area.own),
             own_writable=str(area.writable),
             length=4096,
         )
         assert result["by_name"]["code"] == "UNAUTHENTICATED", result
+        assert result["inner_by_name"]["code"] == "UNAUTHENTICATED", result
+        assert result["inner_o_path"] == {"code": "LOCAL", "details": "open: Permission denied"}
         # A token for our own file, with the secret's name as its label: the daemon warms
         # what the descriptor is, and shows it by the kernel's name for it.
         swapped = result["label_swap"]
@@ -189,8 +193,9 @@ def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
         assert "not opened for reading" in result["o_path"]["details"]
         assert not result["o_path"]["token"]
         assert result["write_only"]["code"] == "PERMISSION_DENIED", result["write_only"]
-        _names_no_size(result, SECRET_SIZE)
+        _names_no_size(result, SECRET_SIZE, INNER_SIZE)
         assert _cold(area.secret)
+        assert _cold(area.inner)
 
 
 def test_status_shows_a_member_only_its_own_ranks_and_files(area: Area) -> None:

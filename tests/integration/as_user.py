@@ -4,7 +4,8 @@
 
 The interpreter lives under /root (mode 0700), which no other user can reach, so setpriv
 cannot start it as that user. So this process starts as root, imports everything it
-will use, then drops to the user for good (supplementary groups, then gid, then uid, all
+will use (``load_everything``: the checkout itself may be unreadable to the user, as in
+CI's 0700 clone), then drops to the user for good (supplementary groups, then gid, then uid, all
 three of real, effective and saved: what setpriv does before it execs) and only then
 acts. From there the kernel sees that user on every call: file permissions, the peer
 credentials the daemon reads.
@@ -46,6 +47,23 @@ _ACTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 def action(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[..., Any]:
     _ACTIONS[fn.__name__] = fn
     return fn
+
+
+def load_everything() -> None:
+    """Import now whatever the actions would import lazily: once dropped, the user may
+    not be able to read this checkout (CI clones into a 0700 directory) nor the
+    interpreter's own library (under /root)."""
+    import asyncio.runners  # noqa: F401  (spanwarm serve)
+
+    import uvloop  # noqa: F401
+
+    import spanwarm.daemon.logs
+    import spanwarm.daemon.spawn  # noqa: F401
+
+    grpc.insecure_channel("unix:/nonexistent").close()  # grpc loads its channel code here
+    np.unique(np.isin(np.arange(2), [1]))  # numpy loads numpy.ma here (Client._prove)
+    with contextlib.suppress(OSError):
+        socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET).close()
 
 
 def drop_to(user: str) -> None:
@@ -437,6 +455,7 @@ def cli(args: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     user, name, raw = sys.argv[1], sys.argv[2], sys.argv[3]
+    load_everything()
     drop_to(user)
     np.zeros(1)  # numpy is loaded before the drop
     result = _ACTIONS[name](json.loads(raw))

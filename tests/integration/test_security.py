@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from bench.slowfs import Hang, fuse_available, mount
 from spanwarm.client import Client, TensorSpans
 from spanwarm.residency import evict, resident_bytes
 from tests.daemon_harness import running_daemon
@@ -343,6 +344,57 @@ def test_a_socket_directory_root_gave_a_regular_user_is_refused(area: Area) -> N
         assert trusted_owners(str(directory), entry.pw_uid + 1, delegate=True)[1] is None
     finally:
         del os.environ["SPANWARM_DAEMON_USER"]
+
+
+def test_another_users_hung_storage_does_not_hold_the_workers(area: Area) -> None:
+    if why := fuse_available():
+        pytest.skip(f"needs the emulated mount: {why}")
+    source = area.root / "hung-src"
+    source.mkdir(mode=0o755, exist_ok=True)
+    _write(source / "hung.bin", 16 * 2**20, 0o644)
+    mnt = area.allowed / "mnt"
+    hung = str(mnt / "hung.bin")
+    flags = ("--workers", "2", "--stuck-seconds", "2")
+    with (
+        mount(source, mnt, hangs=[Hang("hung.bin", 60.0)], allow_other=True),
+        group_daemon(area, *flags) as daemon,
+    ):
+        # Alice's two reads hang in her storage and take both workers.
+        args = {"socket": daemon.socket, "paths": [hung], "length": 16 * 2**20, "timeout": 40}
+        alice = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.as_user",
+                ALICE,
+                "client_warm",
+                json.dumps(args),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        client = Client(daemon.socket)
+        try:
+            deadline = time.monotonic() + 20
+            while client.status()["in_flight"] < 2:
+                assert time.monotonic() < deadline, client.status()
+                time.sleep(0.1)
+            evict(area.root_data)
+            started = time.monotonic()
+            ticket = client.request(
+                [TensorSpans("r", str(area.root_data), 0, 2**20, 2**20, 1)], job="root-job"
+            )
+            assert ticket.wait(timeout=30)
+            took = time.monotonic() - started
+            assert ticket.progress.ready == 1, ticket.failures
+            assert client.status()["in_flight"] >= 2  # alice's reads are still hung
+            ticket.cancel()
+        finally:
+            client.close()
+            alice.kill()
+            alice.wait()
+    assert took < 15, took  # the hang lasts 60 s; two workers are free after 2 s
 
 
 def test_a_symlink_swap_race_never_reaches_etc_shadow(area: Area) -> None:

@@ -156,6 +156,14 @@ class DaemonConfig:
         kind="int",
         help="most warm operations one uid's requests may have in flight (default: --workers)",
     )
+    stuck_seconds: float = _setting(
+        30.0,
+        flag="--stuck-seconds",
+        kind="float",
+        help="a warm operation running longer than this is stuck in hung storage: it stops "
+        "counting against --workers (up to as many again), and its user gets no more "
+        "operations once it has as many stuck as it may have in flight",
+    )
     grant_seconds: float = _setting(
         30.0,
         flag="--grant-seconds",
@@ -247,6 +255,8 @@ class DaemonConfig:
             raise ConfigError(f"user_max_bytes: must be >= 1, got {self.user_max_bytes}")
         if self.user_max_in_flight is not None and self.user_max_in_flight < 1:
             raise ConfigError(f"user_max_in_flight: must be >= 1, got {self.user_max_in_flight}")
+        if self.stuck_seconds <= 0:
+            raise ConfigError(f"stuck_seconds: must be > 0, got {self.stuck_seconds}")
         if self.grant_seconds <= 0:
             raise ConfigError(f"grant_seconds: must be > 0, got {self.grant_seconds}")
         if len(os.fsencode(self.socket)) + len(".access") > 107:

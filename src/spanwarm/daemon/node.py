@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import time
@@ -268,7 +269,11 @@ class Node:
         self._unservable: set[int] = set()  # uids the last dispatch found nothing to warm for
         self._piece = max(PAGE, self.chunk // _PIECES)
         self._in_flight = 0
-        self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
+        # Twice the workers: an operation stuck in a hung read longer than stuck_seconds
+        # stops counting against --workers (see _dispatch), and needs a thread all the same.
+        self._pool = DaemonThreadPool(2 * config.workers, "spanwarm-warm")
+        self._started: dict[int, tuple[int, float]] = {}  # operation -> (uid, when)
+        self._operations = itertools.count()
         # Admission stats and opens files (which may block on a mount) and indexes spans;
         # two at a time bounds the memory a burst of large requests takes at once.
         # Both at a lower CPU priority than the event loop (niceness +10): on a busy node,
@@ -315,6 +320,8 @@ class Node:
         while True:
             try:
                 self._expire_holds()
+                if self._started:  # an operation may have become stuck: workers to reuse
+                    self._wake.set()
                 self.metrics.refresh(self.status())
             except Exception:  # a metrics refresh must never stop the holds from expiring
                 logger.exception("refreshing the metrics failed")
@@ -581,9 +588,11 @@ class Node:
                 users.setdefault(r.uid, []).append(r)
         now = time.monotonic()
         order = sorted(users, key=lambda u: (self._usage_of(u, now), self._user_in_flight[u], u))
+        stuck = self._stuck(now)
         self._unservable.clear()
         for uid in order:
-            if self._user_in_flight[uid] < self._in_flight_cap(uid):
+            busy = self._user_in_flight[uid] - stuck[uid]
+            if busy < self._in_flight_cap(uid) and stuck[uid] < self._in_flight_cap(uid):
                 item = self._next_of(uid, users[uid], over_budget)
                 if item is not None:
                     return (*item, uid)
@@ -595,7 +604,7 @@ class Node:
         and a user served less lately has cells to warm that are not in flight. That user
         gets each freed worker (``_next``), and what a heavier user keeps in flight is what
         its reads queue behind at the storage; the stopped operations go again later."""
-        if self._in_flight < self.config.workers:
+        if self._free_worker():
             return frozenset()
         pending: collections.Counter[int] = collections.Counter()
         for r in self._requests:
@@ -613,6 +622,13 @@ class Node:
             return frozenset()
         bar = min(starved)
         return frozenset(u for u in self._user_in_flight if self._usage_of(u, now) > bar)
+
+    def _stuck(self, now: float) -> collections.Counter[int]:
+        """Operations per uid running longer than stuck_seconds: their storage hangs. They
+        stop counting against --workers, so other users go on; their user gets no more
+        operations once as many are stuck as it may have in flight."""
+        limit = now - self.config.stuck_seconds
+        return collections.Counter(uid for uid, when in self._started.values() if when < limit)
 
     def _in_flight_cap(self, uid: int) -> int:
         cap = self.config.user_max_in_flight
@@ -733,7 +749,7 @@ class Node:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._in_flight < self.config.workers:
+            while self._free_worker():
                 self._budget_blocked = self._over_budget()
                 item = self._next(over_budget=self._budget_blocked)
                 if item is None:
@@ -743,12 +759,23 @@ class Node:
                 self._in_flight += 1
                 self._user_in_flight[uid] += 1
                 self._in_flight_bytes += sum(b - a for a, b in ranges)
-                task = asyncio.get_running_loop().create_task(self._warm(key, ranges, uid))
+                operation = next(self._operations)
+                self._started[operation] = (uid, time.monotonic())
+                task = asyncio.get_running_loop().create_task(
+                    self._warm(key, ranges, uid, operation)
+                )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             self._preempt = self._to_preempt()  # read by the workers between pieces
 
-    async def _warm(self, key: CellKey, ranges: list[Range], uid: int) -> None:
+    def _free_worker(self) -> bool:
+        """Room for one more operation: fewer than --workers running that are not stuck,
+        and a thread for it."""
+        stuck = sum(self._stuck(time.monotonic()).values())
+        workers = self.config.workers
+        return self._in_flight - stuck < workers and self._in_flight < 2 * workers
+
+    async def _warm(self, key: CellKey, ranges: list[Range], uid: int, operation: int) -> None:
         file = key[0]
         loop = asyncio.get_running_loop()
         started = time.monotonic()
@@ -795,6 +822,7 @@ class Node:
                 warmed_cell.bad += tuple((b.start, b.stop, done) for b in outcome.bad)
             self._settle(key)
         finally:
+            self._started.pop(operation, None)
             self._in_flight -= 1
             self._user_in_flight[uid] -= 1
             if not self._user_in_flight[uid]:

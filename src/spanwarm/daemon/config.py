@@ -161,8 +161,8 @@ class DaemonConfig:
         flag="--stuck-seconds",
         kind="float",
         help="a warm operation running longer than this is stuck in hung storage: it stops "
-        "counting against --workers (up to as many again), and its user gets no more "
-        "operations once it has as many stuck as it may have in flight",
+        "counting against --workers, and its user gets no more operations once it has as "
+        "many stuck as it may have in flight",
     )
     grant_seconds: float = _setting(
         30.0,

@@ -23,8 +23,8 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
   completed, so each byte is read once per node; a late arrival re-checks residency
   (where mincore can be trusted) instead of reading again.
 - **Order.** Users (uids) share the workers fairly: the next operation goes to the user
-  the node served least lately (bytes warmed plus a seek per operation, decaying by half
-  every ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; while such
+  the node served least lately (worker time, decaying by half every
+  ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; while such
   a user has cells waiting and every worker is busy, heavier users' operations stop at
   their next piece (``_to_preempt``). So one user's flood of streams cannot starve
   another user's load. Within a user, its requests take
@@ -46,7 +46,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,9 @@ logger = logging.getLogger("spanwarm.daemon")
 _PLAN_INLINE = 2_000  # rows a batch may have to be planned on the loop rather than a worker
 USAGE_HALF_LIFE = 10.0  # seconds: how fast a user's past service stops counting against it
 _PIECES = 8  # a warm operation goes in chunk/8 pieces, and may stop between them (fair share)
+_PIECE_SECONDS = 0.25  # a piece slower than this halves the next ones ...
+_MIN_PIECE = 128 * 2**10  # ... down to this
+_OVERTIME_SECONDS = 1.0  # an operation asked to make way that runs on this long frees its worker
 
 
 @dataclass(slots=True)
@@ -178,17 +181,6 @@ def _subtract(ranges: list[Range], holes: list[Range]) -> list[Range]:
     return out
 
 
-def _split(ranges: list[Range], piece: int) -> list[Range]:
-    """``ranges`` cut at absolute multiples of ``piece``."""
-    out = []
-    for a, b in ranges:
-        while a < b:
-            end = min(b, (a // piece + 1) * piece)
-            out.append((a, end))
-            a = end
-    return out
-
-
 def _union(ranges: Iterable[Range]) -> list[Range]:
     out: list[Range] = []
     for a, b in sorted(ranges):
@@ -263,15 +255,15 @@ class Node:
         # Root and the daemon's own user are trusted: no per-user caps.
         self.trusted_uids = frozenset({0, os.geteuid()})
         self._turns: dict[int, int] = {}  # per uid: whose turn among its requests
-        self._usage: dict[int, tuple[float, float]] = {}  # uid -> (decayed bytes, as of)
+        self._usage: dict[int, tuple[float, float]] = {}  # uid -> (decayed worker s, as of)
         self._user_in_flight: collections.Counter[int] = collections.Counter()
         self._preempt: frozenset[int] = frozenset()  # uids whose operations should stop
         self._unservable: set[int] = set()  # uids the last dispatch found nothing to warm for
         self._piece = max(PAGE, self.chunk // _PIECES)
         self._in_flight = 0
-        # Twice the workers: an operation stuck in a hung read longer than stuck_seconds
-        # stops counting against --workers (see _dispatch), and needs a thread all the same.
-        self._pool = DaemonThreadPool(2 * config.workers, "spanwarm-warm")
+        # An operation stuck in a hung read longer than stuck_seconds stops counting
+        # against --workers (_free_worker); the pool grows so the others still have threads.
+        self._pool = DaemonThreadPool(config.workers, "spanwarm-warm")
         self._started: dict[int, tuple[int, float]] = {}  # operation -> (uid, when)
         self._operations = itertools.count()
         # Admission stats and opens files (which may block on a mount) and indexes spans;
@@ -587,7 +579,8 @@ class Node:
             if r.active:
                 users.setdefault(r.uid, []).append(r)
         now = time.monotonic()
-        order = sorted(users, key=lambda u: (self._usage_of(u, now), self._user_in_flight[u], u))
+        served = self._served(now)
+        order = sorted(users, key=lambda u: (served[u], self._user_in_flight[u], u))
         stuck = self._stuck(now)
         self._unservable.clear()
         for uid in order:
@@ -604,7 +597,8 @@ class Node:
         and a user served less lately has cells to warm that are not in flight. That user
         gets each freed worker (``_next``), and what a heavier user keeps in flight is what
         its reads queue behind at the storage; the stopped operations go again later."""
-        if self._free_worker():
+        stuck = sum(self._stuck(time.monotonic()).values())
+        if self._in_flight - stuck < self.config.workers:
             return frozenset()
         pending: collections.Counter[int] = collections.Counter()
         for r in self._requests:
@@ -612,16 +606,16 @@ class Node:
                 pending[r.uid] += len(r.pending)
         if len(pending) < 2:
             return frozenset()
-        now = time.monotonic()
+        served = self._served(time.monotonic())
         starved = [
-            self._usage_of(u, now)
+            served[u]
             for u, cells in pending.items()
             if cells > self._user_in_flight[u] and u not in self._unservable
         ]
         if not starved:
             return frozenset()
         bar = min(starved)
-        return frozenset(u for u in self._user_in_flight if self._usage_of(u, now) > bar)
+        return frozenset(u for u in self._user_in_flight if served[u] > bar)
 
     def _stuck(self, now: float) -> collections.Counter[int]:
         """Operations per uid running longer than stuck_seconds: their storage hangs. They
@@ -636,15 +630,25 @@ class Node:
             return self.config.workers
         return cap
 
+    def _served(self, now: float) -> collections.defaultdict[int, float]:
+        """Worker time per uid lately: finished operations (decayed) and running ones (so
+        far), so a user whose reads take long counts as served while they run."""
+        served: collections.defaultdict[int, float] = collections.defaultdict(float)
+        for uid in self._usage:
+            served[uid] = self._usage_of(uid, now)
+        for uid, when in self._started.values():
+            served[uid] += now - when
+        return served
+
     def _usage_of(self, uid: int, now: float) -> float:
         value, since = self._usage.get(uid, (0.0, now))
         return float(value * 0.5 ** ((now - since) / USAGE_HALF_LIFE))
 
-    def _used(self, uid: int, nbytes: int) -> None:
+    def _used(self, uid: int, seconds: float) -> None:
         now = time.monotonic()
-        self._usage[uid] = (self._usage_of(uid, now) + nbytes, now)
+        self._usage[uid] = (self._usage_of(uid, now) + seconds, now)
         if len(self._usage) > 4 * len(self._requests) + 64:  # forget users long gone
-            for gone in [u for u in self._usage if self._usage_of(u, now) < 1.0]:
+            for gone in [u for u in self._usage if self._usage_of(u, now) < 1e-3]:
                 del self._usage[gone]
 
     def _next_of(
@@ -759,6 +763,7 @@ class Node:
                 self._in_flight += 1
                 self._user_in_flight[uid] += 1
                 self._in_flight_bytes += sum(b - a for a, b in ranges)
+                self._pool.grow_to(self._in_flight)  # a thread for each, stuck ones too
                 operation = next(self._operations)
                 self._started[operation] = (uid, time.monotonic())
                 task = asyncio.get_running_loop().create_task(
@@ -769,11 +774,18 @@ class Node:
             self._preempt = self._to_preempt()  # read by the workers between pieces
 
     def _free_worker(self) -> bool:
-        """Room for one more operation: fewer than --workers running that are not stuck,
-        and a thread for it."""
-        stuck = sum(self._stuck(time.monotonic()).values())
-        workers = self.config.workers
-        return self._in_flight - stuck < workers and self._in_flight < 2 * workers
+        """Room for one more operation: fewer than --workers running, not counting those
+        stuck in hung storage, nor those asked to make way (``_to_preempt``) that have not
+        reached the end of their piece within ``_OVERTIME_SECONDS`` (slow storage: the
+        lighter user does not wait for them)."""
+        now = time.monotonic()
+        stuck, overtime = now - self.config.stuck_seconds, now - _OVERTIME_SECONDS
+        away = sum(
+            1
+            for uid, when in self._started.values()
+            if when < stuck or (when < overtime and uid in self._preempt)
+        )
+        return self._in_flight - away < self.config.workers
 
     async def _warm(self, key: CellKey, ranges: list[Range], uid: int, operation: int) -> None:
         file = key[0]
@@ -814,9 +826,9 @@ class Node:
             self.metrics.add(self.metrics.resident, outcome.verified)
             self.metrics.add(self.metrics.latency, done - started)
             self._recent.append((done, outcome.read + outcome.verified))
-            # Each operation costs a seek as well as its bytes (the cost model's price): a
-            # user of many tiny reads is not "served little" while it keeps the storage busy.
-            self._used(uid, outcome.read + outcome.verified + self.config.seek_cost)
+            # Service is worker time: a user on slow storage, or of many tiny reads, is not
+            # "served little" while it keeps workers busy.
+            self._used(uid, done - started)
             if outcome.bad:
                 self._fail_ranges(key, outcome.bad)
                 warmed_cell.bad += tuple((b.start, b.stop, done) for b in outcome.bad)
@@ -836,6 +848,19 @@ class Node:
             self._release_if_free(key)
             self._wake.set()
 
+    def _pieces(self, ranges: list[Range]) -> Iterator[Range]:
+        """``ranges`` in pieces of chunk/8, halved (down to 128 KiB) each time one takes
+        over ``_PIECE_SECONDS``: on slow storage, a user asked to make way does so soon."""
+        size = self._piece
+        for start, stop in ranges:
+            while start < stop:
+                end = min(stop, start + size)
+                began = time.monotonic()
+                yield start, end
+                if time.monotonic() - began > _PIECE_SECONDS:
+                    size = max(_MIN_PIECE, size // 2)
+                start = end
+
     def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int) -> _Outcome:
         """Runs in a worker: warm what is not already resident, piece by piece, stopping
         between pieces when ``uid`` is asked to make way (``_to_preempt``; what was done
@@ -843,7 +868,7 @@ class Node:
         the rest of it is warmed."""
         outcome = _Outcome()
         with file.stream() as fd:
-            for start, stop in _split(ranges, self._piece):
+            for start, stop in self._pieces(ranges):
                 if outcome.covered and uid in self._preempt:
                     break
                 outcome.covered.append((start, stop))

@@ -29,6 +29,7 @@ class DaemonThreadPool(Executor):
 
     def __init__(self, workers: int, name: str, *, nice: int = 0) -> None:
         self._nice = nice
+        self._name = name
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -38,6 +39,17 @@ class DaemonThreadPool(Executor):
         ]
         for thread in self._threads:
             thread.start()
+
+    def grow_to(self, workers: int) -> None:
+        """Have at least ``workers`` threads (for work that may never return: a thread
+        stuck in it is lost, and the pool must still have enough that are not)."""
+        with self._lock:
+            while len(self._threads) < workers and not self._closed:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()

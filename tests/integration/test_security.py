@@ -410,6 +410,52 @@ def test_another_users_slow_or_hung_storage_does_not_hold_the_workers(
     assert took < bound, took
 
 
+def test_each_caller_is_shown_its_own_name_for_a_shared_file(area: Area) -> None:
+    public = _write(area.alice_dir / "shared.bin", 2 * 2**20, 0o644, owner=ALICE)
+    private = area.alice_dir / "private"
+    private.mkdir(mode=0o700, exist_ok=True)
+    entry = pwd.getpwnam(ALICE)
+    os.chown(private, entry.pw_uid, entry.pw_gid)
+    secret_name = private / "project-codename" / "weights.bin"
+    secret_name.parent.mkdir(exist_ok=True)
+    os.chown(secret_name.parent, entry.pw_uid, entry.pw_gid)
+    with contextlib.suppress(FileNotFoundError):
+        secret_name.unlink()
+    os.link(public, secret_name)  # the same inode, under a name only alice may see
+    with group_daemon(area) as daemon:
+        args = {"socket": daemon.socket, "paths": [str(secret_name)], "length": 4096, "hold": 15}
+        alice = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.as_user",
+                ALICE,
+                "client_warm",
+                json.dumps(args),
+            ],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        try:
+            client = Client(daemon.socket)
+            deadline = time.monotonic() + 20
+            while not client.status()["ranks"]:  # alice's request is live
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            client.close()
+            seen = as_user(
+                MALLORY, "client_warm", socket=daemon.socket, paths=[str(public)], length=4096
+            )
+            status = as_user(MALLORY, "cli", argv=["status", "--json", "--socket", daemon.socket])
+        finally:
+            alice.kill()
+            alice.wait()
+    assert seen["ready"] == 1, seen
+    assert [p["path"] for p in seen["plan"]] == [str(public)]
+    assert "project-codename" not in json.dumps(seen)
+    assert "project-codename" not in status["stdout"]
+
+
 def test_a_symlink_swap_race_never_reaches_etc_shadow(area: Area) -> None:
     shadow = os.stat("/etc/shadow").st_size
     link, plain = area.alice_dir / "link", area.alice_dir / "plain"

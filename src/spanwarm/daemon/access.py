@@ -33,7 +33,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from spanwarm.daemon.admission import FileTable, OpenFile
+from spanwarm.daemon.admission import Adopted, FileTable
 from spanwarm.daemon.grants import Grants, Peer
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.errors import InvalidRequestError, RequestTooLargeError, SpanwarmError
@@ -150,7 +150,7 @@ class AccessServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, conn: socket.socket, peer: Peer) -> None:
-        files: list[OpenFile] = []  # adopted so far: given back unless a grant takes them
+        files: list[Adopted] = []  # adopted so far: given back unless a grant takes them
         received = [0]  # descriptors this connection counts in self._receiving
         try:
             try:
@@ -174,7 +174,7 @@ class AccessServer:
         except Exception:
             logger.exception("access channel: unexpected error")
         finally:
-            for file in files:
+            for file, _ in files:
                 self.files.release(file)
             conn.close()
             self._receiving[peer.uid] -= received[0]
@@ -188,7 +188,7 @@ class AccessServer:
                     pool.shutdown(wait=False)
 
     async def _receive(
-        self, conn: socket.socket, peer: Peer, files: list[OpenFile], received: list[int]
+        self, conn: socket.socket, peer: Peer, files: list[Adopted], received: list[int]
     ) -> None:
         """Read datagrams until the one marked last, checking and keeping each one's
         descriptors as it arrives (so a descriptor sent a thousand times is held once).
@@ -240,7 +240,7 @@ class AccessServer:
             if message.last:
                 return
 
-    async def _adopt(self, peer: Peer, fds: list[int], *, first: int) -> list[OpenFile]:
+    async def _adopt(self, peer: Peer, fds: list[int], *, first: int) -> list[Adopted]:
         """Check and keep the descriptors, in a thread of the caller's uid. They pass to
         the file table (which closes any it refuses); if we stop waiting, what the thread
         took is given back when it finishes."""
@@ -262,20 +262,20 @@ class AccessServer:
                 job.add_done_callback(self._give_back)
             raise
 
-    def _give_back(self, job: concurrent.futures.Future[list[OpenFile]]) -> None:
+    def _give_back(self, job: concurrent.futures.Future[list[Adopted]]) -> None:
         if not job.cancelled() and job.exception() is None:
-            for file in job.result():
+            for file, _ in job.result():
                 self.files.release(file)
 
-    def _adopt_blocking(self, fds: list[int], first: int) -> list[OpenFile]:
-        files: list[OpenFile] = []
+    def _adopt_blocking(self, fds: list[int], first: int) -> list[Adopted]:
+        files: list[Adopted] = []
         for position, fd in enumerate(fds):
             try:
                 files.append(self.files.adopt(fd, f"descriptor {first + position}"))
             except BaseException:
                 for rest in fds[position + 1 :]:
                     self.files.close_fd(rest)
-                for file in files:
+                for file, _ in files:
                     self.files.release(file)
                 raise
         return files

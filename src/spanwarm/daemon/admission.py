@@ -40,7 +40,15 @@ from spanwarm.errors import (
 from spanwarm.residency import residency_trusted
 from spanwarm.spans import SpanTable
 
-__all__ = ["AdmittedRequest", "FileIdentity", "FileTable", "OpenFile", "admit", "lookup_error"]
+__all__ = [
+    "AdmittedRequest",
+    "Adopted",
+    "FileIdentity",
+    "FileTable",
+    "OpenFile",
+    "admit",
+    "lookup_error",
+]
 
 _MAX_VALUE = 2**62  # every wire value is below this, so span arithmetic stays inside int64
 _MAX_NAMED = 2**60  # bytes one request may name in total (sums stay exact in int64)
@@ -182,8 +190,14 @@ def _seen_here(name: str, st: os.stat_result) -> bool:
     return (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino)
 
 
+Adopted = tuple[OpenFile, str]  # a shared file, and the kernel's name for one caller's descriptor
+
+
 class FileTable:
     """Open files by identity, reference-counted by the requests (and grants) using them.
+
+    A shared file's ``path`` is the name its first opener's descriptor had: callers are
+    shown their own (``adopt`` returns it), never that one.
 
     Thread-safe: descriptors are checked and files opened in worker threads (fstat and
     open may block on a network mount) while the event loop releases them.
@@ -204,10 +218,12 @@ class FileTable:
             name == root or name.startswith(root.rstrip("/") + "/") for root in self._roots
         )
 
-    def adopt(self, fd: int, label: str) -> OpenFile:
+    def adopt(self, fd: int, label: str) -> Adopted:
         """Take ownership of ``fd``, a descriptor a caller opened itself (its proof that it
-        may read the file), and share it by identity. ``label`` names it in refusals (the
-        caller's own name for it). On any refusal ``fd`` is closed."""
+        may read the file), and share it by identity; return the file and the kernel's
+        name for this caller's descriptor (what this caller is shown: a shared file's
+        ``path`` is whoever opened it first). ``label`` names it in refusals (the caller's
+        own name for it). On any refusal ``fd`` is closed."""
         try:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             if flags & _O_PATH or (flags & os.O_ACCMODE) not in (os.O_RDONLY, os.O_RDWR):
@@ -239,9 +255,9 @@ class FileTable:
         except BaseException:
             self._close(fd)
             raise
-        return self._share(fd, name, FileIdentity.of(st))
+        return self._share(fd, name, FileIdentity.of(st)), name
 
-    def acquire(self, path: str) -> OpenFile:
+    def acquire(self, path: str) -> Adopted:
         """Open ``path`` with the daemon's own credentials: only for a caller that is the
         daemon's own user (an owner-only socket). The allowed roots are checked on what
         was opened, not on the name: a symlink swapped in between changes nothing."""
@@ -320,6 +336,7 @@ class AdmittedRequest:
     job: str
     rank: int
     files: list[OpenFile]
+    names: list[str]  # the kernel's name for each file as the caller opened it
     groups: list[str]
     spans: dict[int, SpanTable]  # file position -> spans, in request order
     span_groups: dict[int, npt.NDArray[np.int64]]  # file position -> group of each span
@@ -423,11 +440,12 @@ def admit(
     request: Any,
     table: FileTable,
     config: DaemonConfig,
-    granted: list[OpenFile] | None = None,
+    granted: list[Adopted] | None = None,
 ) -> AdmittedRequest:
     """Validate a ``spanwarm.v1.WarmRequest`` and take its files, or raise why not.
 
-    ``granted``: the files of the request's grant, one per entry of ``request.files``
+    ``granted``: the files of the request's grant (and the caller's name for each), one
+    per entry of ``request.files``
     (their references pass to the request, or are given back on a refusal); None opens
     the paths by name (the daemon's own user only). Everything that can be checked
     without the files is checked first, in exact arithmetic; a refusal from then on
@@ -437,13 +455,18 @@ def admit(
     try:
         return _admit(request, table, config, files, by_name=granted is None)
     except BaseException:
-        for file in files:
+        for file, _ in files:
             table.release(file)
         raise
 
 
 def _admit(
-    request: Any, table: FileTable, config: DaemonConfig, files: list[OpenFile], *, by_name: bool
+    request: Any,
+    table: FileTable,
+    config: DaemonConfig,
+    files: list[Adopted],
+    *,
+    by_name: bool,
 ) -> AdmittedRequest:
     """``admit`` with ``files``: the granted files, or the list the files opened by name go
     into (the caller releases whatever it holds on a refusal)."""
@@ -486,7 +509,7 @@ def _admit(
             files.append(table.acquire(path))  # noqa: PERF401
     spans: dict[int, SpanTable] = {}
     span_groups: dict[int, npt.NDArray[np.int64]] = {}
-    for position, file in enumerate(files):
+    for position, (file, _) in enumerate(files):
         mine = file_index == position
         beyond = np.flatnonzero(mine & (count > 0) & (end > file.size))
         if beyond.size:
@@ -503,7 +526,8 @@ def _admit(
     return AdmittedRequest(
         job=request.job,
         rank=request.rank,
-        files=files,
+        files=[f for f, _ in files],
+        names=[name for _, name in files],
         groups=list(request.groups),
         spans=spans,
         span_groups=span_groups,

@@ -17,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from spanwarm.daemon.admission import FileTable, OpenFile
+from spanwarm.daemon.admission import Adopted, FileTable
 from spanwarm.errors import AccessDeniedError, UnauthenticatedError
 
 __all__ = ["Grant", "Grants", "Peer", "same_token"]
@@ -36,7 +36,7 @@ class Peer:
 class Grant:
     token: str
     peer: Peer
-    files: list[OpenFile]
+    files: list[Adopted]  # and the caller's kernel name for each
     expires: float
     spent: bool = False
 
@@ -72,7 +72,7 @@ class Grants:
         hold."""
         return self._references[uid]
 
-    def issue(self, peer: Peer, files: list[OpenFile]) -> Grant:
+    def issue(self, peer: Peer, files: list[Adopted]) -> Grant:
         """A token for ``files`` (their references pass to the grant); refused past the
         uid's cap (the caller then still holds the files)."""
         if peer.uid not in self.exempt and self.slots(peer.uid) >= self.max_per_uid:
@@ -120,7 +120,7 @@ class Grants:
         for grant in lapsed:
             del self._unspent[grant.token]
             self._free_slot(grant)
-            for file in grant.files:
+            for file, _ in grant.files:
                 self._files.release(file)
         return len(lapsed)
 

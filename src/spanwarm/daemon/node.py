@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -421,7 +422,7 @@ class Node:
         for file in request.files:
             if file.failed:  # it changed before this request got its plan: nothing to warm
                 for key in [k for k in request.pending if k[0] is file]:
-                    self._fail(request, key, "ABORTED", f"{file.path}: changed while warming")
+                    self._fail(request, key, "ABORTED", "changed while warming")
         for key in request.cells:
             if key not in request.pending:
                 continue
@@ -530,7 +531,12 @@ class Node:
             self._wake.set()
 
     def plan_of(self, request: Request) -> list[FilePlan]:
-        return [self._plans[f] for f in request.files if f in self._plans]
+        """The node plan for the request's files, each named as its caller knows it."""
+        return [
+            dataclasses.replace(self._plans[f], path=request.name_of(f))
+            for f in request.files
+            if f in self._plans
+        ]
 
     def _planned(self, key: CellKey, lo: int, hi: int) -> list[Range]:
         """The plan's runs inside the cell, clipped to ``[lo, hi)``."""
@@ -794,13 +800,13 @@ class Node:
         try:
             outcome = await loop.run_in_executor(self._pool, self._warm_blocking, file, ranges, uid)
         except FileChangedError as exc:
-            self._fail_file(file, exc.grpc_code, str(exc))
+            self._fail_file(file, exc.grpc_code, exc.cause)
         except OSError as exc:  # the file could not even be opened again
-            where = f"{file.path}: {exc.strerror or exc} (at offset {ranges[0][0]})"
+            where = f"{exc.strerror or exc} (at offset {ranges[0][0]})"
             self._fail_cell(key, "UNAVAILABLE", where)
         except Exception as exc:  # a bug: fail the cell's waiters, keep the node consistent
             logger.exception("warming %s failed", file.path)
-            self._fail_cell(key, "INTERNAL", f"{file.path}: internal error while warming: {exc!r}")
+            self._fail_cell(key, "INTERNAL", f"internal error while warming: {exc!r}")
         else:
             done = outcome.done
             logger.debug(
@@ -934,7 +940,7 @@ class Node:
                 if not groups.size:
                     continue
                 request.state[groups] = FAILED
-                reason = f"{file.path}: {b.cause} (at offset {b.start})"
+                reason = f"{request.name_of(file)}: {b.cause} (at offset {b.start})"
                 request.events.put_nowait(
                     Event("failed", tuple(groups.tolist()), "UNAVAILABLE", reason)
                 )
@@ -948,20 +954,20 @@ class Node:
             bad[0].cause,
         )
 
-    def _fail_cell(self, key: CellKey, code: str, reason: str) -> None:
+    def _fail_cell(self, key: CellKey, code: str, cause: str) -> None:
         cell = self._cells.get(key)
         if cell is None:
             return
         for request in list(cell.waiters):
-            self._fail(request, key, code, reason)
+            self._fail(request, key, code, cause)
         cell.waiters.clear()
 
-    def _fail_file(self, file: OpenFile, code: str, reason: str) -> None:
-        logger.warning("%s", reason)
+    def _fail_file(self, file: OpenFile, code: str, cause: str) -> None:
+        logger.warning("%s: %s", file.path, cause)
         file.failed = True  # never planned again; a new request opens the file anew
         for request in list(self._users.get(file, ())):
             for key in [k for k in request.pending if k[0] is file]:
-                self._fail(request, key, code, reason)
+                self._fail(request, key, code, cause)
                 cell = self._cells.get(key)
                 if cell is not None:
                     cell.unwait(request)
@@ -969,12 +975,15 @@ class Node:
         self._planned_total = None
         self.files.forget(file)  # a later request opens the file afresh
 
-    def _fail(self, request: Request, key: CellKey, code: str, reason: str) -> None:
+    def _fail(self, request: Request, key: CellKey, code: str, cause: str) -> None:
+        """Fail the request's pending groups on this cell; the reason names the file as
+        this request's caller knows it."""
         request.pending.discard(key)
         groups = request.cell_groups(key)
         groups = groups[request.state[groups] == PENDING]
         if groups.size:
             request.state[groups] = FAILED
+            reason = f"{request.name_of(key[0])}: {cause}"
             request.events.put_nowait(Event("failed", tuple(groups.tolist()), code, reason))
             self.metrics.add(self.metrics.errors, 1, code)
         self._finish_if_resolved(request)
@@ -1000,13 +1009,18 @@ class Node:
         for (file, _), cell in self._cells.items():
             warm_by_file.setdefault(file, []).extend((a, b) for a, b, _ in cell.warm)
         shown = [r for r in self._requests if visible is None or visible(r)]
-        named = {f for r in shown for f in r.files}
+        named: dict[OpenFile, str] = {}  # what the shown requests' callers call each file
+        for r in shown:
+            for f in r.files:
+                named.setdefault(f, r.name_of(f))
         for file, plan in self._plans.items():
             file_warm = _overlap(_union(warm_by_file.get(file, ())), plan.runs)
             planned += plan.warm_bytes
             warm += file_warm
-            if visible is None or file in named:
+            if visible is None:
                 files.append({**plan.to_json(), "warm_now_bytes": file_warm})
+            elif file in named:
+                files.append({**plan.to_json(), "path": named[file], "warm_now_bytes": file_warm})
         ranks = [
             {
                 "job": r.job,

@@ -90,6 +90,9 @@ class Request:
 
     _ids = itertools.count(1)
 
+    def name_of(self, file: OpenFile) -> str:
+        return self.names.get(file, file.path)
+
     def __init__(self, admitted: AdmittedRequest, chunk: int) -> None:
         self.id = next(self._ids)
         self.uid = os.geteuid()  # who asked (the service sets it from the caller's grant)
@@ -104,6 +107,11 @@ class Request:
         self.active = False  # in the node plan and in its cells' waiters (Node.register)
         self.activated = float("inf")  # when it became active
         self.acquired = list(admitted.files)  # one file-table reference per listed path
+        # What this caller is shown for each file: its own name for it (a shared file's
+        # path is whoever opened it first).
+        self.names: dict[OpenFile, str] = {}
+        for file, name in zip(admitted.files, admitted.names, strict=True):
+            self.names.setdefault(file, name)
         self.state = np.zeros(len(self.groups), dtype=np.int8)
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)
         self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)

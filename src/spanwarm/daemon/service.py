@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError
 
 from spanwarm import __version__
 from spanwarm.costmodel import FilePlan
-from spanwarm.daemon.admission import OpenFile, admit
+from spanwarm.daemon.admission import Adopted, admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.grants import Grant, Grants, same_token
 from spanwarm.daemon.node import Node
@@ -288,7 +288,7 @@ class WarmerService:
         finally:
             if live is None:  # refused, or the client left: give back what was taken
                 if job.cancel():  # not started: it never runs; the grant's files are ours
-                    for file in granted or ():
+                    for file, _ in granted or ():
                         self.node.files.release(file)
                 job.add_done_callback(self._abandon)
                 admission.add_done_callback(_retrieved)
@@ -363,7 +363,7 @@ class WarmerService:
             for file in job.result().acquired:
                 self.node.files.release(file)
 
-    def _admit(self, request: Any, granted: list[OpenFile] | None) -> Request:
+    def _admit(self, request: Any, granted: list[Adopted] | None) -> Request:
         admitted = admit(request, self.node.files, self.config, granted)
         try:
             live = Request(admitted, self.node.chunk)

@@ -869,13 +869,15 @@ class Node:
 
     def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int) -> _Outcome:
         """Runs in a worker: warm what is not already resident, piece by piece, stopping
-        between pieces when ``uid`` is asked to make way (``_to_preempt``; what was done
-        is in ``covered``). A range the storage fails is narrowed down to its bad pages;
-        the rest of it is warmed."""
+        between pieces when ``uid`` is asked to make way (``_to_preempt``) or nobody needs
+        the file any more (what was done is in ``covered``). A range the storage fails is
+        narrowed down to its bad pages; the rest of it is warmed."""
         outcome = _Outcome()
         with file.stream() as fd:
             for start, stop in self._pieces(ranges):
-                if outcome.covered and uid in self._preempt:
+                # Stop between pieces when asked to make way, or when no live request
+                # names the file any more (its requests were cancelled).
+                if outcome.covered and (uid in self._preempt or file not in self._users):
                     break
                 outcome.covered.append((start, stop))
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0

@@ -50,6 +50,7 @@ _MAX_CONNECTIONS = 1024  # open at once, for everyone; more are closed at once
 _USER_CONNECTIONS = 16  # open at once for one uid (root and the daemon's user: no limit)
 _WARN_EVERY = 10.0  # seconds between two warnings that connections cannot be accepted
 _CHECK_THREADS = 2  # per uid
+_IDLE_POOLS = 32  # users whose check threads are kept while they have no connection
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -183,9 +184,14 @@ class AccessServer:
             self._connections[peer.uid] -= 1
             if not self._connections[peer.uid]:
                 del self._connections[peer.uid]
-                pool = self._pools.pop(peer.uid, None)
-                if pool is not None:  # threads for a user come and go with its grants
-                    pool.shutdown(wait=False)
+                self._retire_idle_pools()
+
+    def _retire_idle_pools(self) -> None:
+        """Keep the check threads of recent users (starting two threads per grant costs a
+        sequential client a millisecond), but not of more than ``_IDLE_POOLS`` users."""
+        idle = [uid for uid in self._pools if uid not in self._connections]
+        for uid in idle[: max(0, len(idle) - _IDLE_POOLS)]:  # oldest first (insertion order)
+            self._pools.pop(uid).shutdown(wait=False)
 
     async def _receive(
         self, conn: socket.socket, peer: Peer, files: list[Adopted], received: list[int]

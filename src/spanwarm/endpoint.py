@@ -127,14 +127,10 @@ def unsafe_directory(directory: str, uid: int | None = None) -> str | None:
     return trusted_owners(directory, uid)[1]
 
 
-def unsafe_socket(path: str, uid: int | None = None) -> str | None:
-    """Why a client must not talk to the socket at ``path`` (None: it may). The socket must
-    be a socket owned by a trusted owner of a safe directory (:func:`trusted_owners`, as a
-    client sees it)."""
-    directory = os.path.dirname(os.path.abspath(path)) or "/"
-    owners, reason = trusted_owners(directory, uid, delegate=True)
-    if reason:
-        return reason
+def unsafe_socket(path: str, owners: frozenset[int]) -> str | None:
+    """Why a client must not talk to the socket at ``path`` (None: it may): it must be a
+    socket, owned by one of ``owners`` (what :func:`trusted_owners` says of its directory,
+    as a client sees it)."""
     try:
         st = os.lstat(path)
     except OSError as exc:

@@ -78,7 +78,7 @@ def check_endpoint(socket_path: str) -> frozenset[int]:
     for path in (socket_path, access_socket_path(socket_path)):
         if not os.path.lexists(path):
             raise FileNotFoundError(errno.ENOENT, "no daemon is listening", path)
-        if reason := unsafe_socket(path):
+        if reason := unsafe_socket(path, owners):
             raise EndpointUnsafe(reason)
     return owners
 

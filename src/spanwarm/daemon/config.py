@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from spanwarm.costmodel import DEFAULT_SEEK_COST
-from spanwarm.endpoint import default_socket_path
+from spanwarm.endpoint import access_socket_path, default_socket_path
 from spanwarm.units import parse_size
 
 __all__ = [
@@ -247,19 +247,14 @@ class DaemonConfig:
             value = getattr(self, name)
             if not 1 <= value <= 2**40:  # the bound keeps admission's sums exact in int64
                 raise ConfigError(f"{name}: must be between 1 and 2**40, got {value}")
-        if self.user_max_requests < 1:
-            raise ConfigError(f"user_max_requests: must be >= 1, got {self.user_max_requests}")
-        if self.user_max_files < 1:
-            raise ConfigError(f"user_max_files: must be >= 1, got {self.user_max_files}")
-        if self.user_max_bytes is not None and self.user_max_bytes < 1:
-            raise ConfigError(f"user_max_bytes: must be >= 1, got {self.user_max_bytes}")
-        if self.user_max_in_flight is not None and self.user_max_in_flight < 1:
-            raise ConfigError(f"user_max_in_flight: must be >= 1, got {self.user_max_in_flight}")
-        if self.stuck_seconds <= 0:
-            raise ConfigError(f"stuck_seconds: must be > 0, got {self.stuck_seconds}")
-        if self.grant_seconds <= 0:
-            raise ConfigError(f"grant_seconds: must be > 0, got {self.grant_seconds}")
-        if len(os.fsencode(self.socket)) + len(".access") > 107:
+        for name in ("user_max_requests", "user_max_files", "user_max_bytes", "user_max_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: no cap
+                raise ConfigError(f"{name}: must be >= 1, got {value}")
+        for name in ("stuck_seconds", "grant_seconds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if len(os.fsencode(access_socket_path(self.socket))) > 107:
             raise ConfigError(
                 f"socket: {self.socket!r} is too long for a Unix socket with its "
                 "'.access' channel beside it (107 bytes in all)"

@@ -38,7 +38,6 @@ class Grant:
     peer: Peer
     files: list[Adopted]  # and the caller's kernel name for each
     expires: float
-    spent: bool = False
 
     @property
     def references(self) -> int:
@@ -95,7 +94,6 @@ class Grants:
                 "no live grant for this token (unknown, already used, or lapsed after "
                 f"{self.ttl:.0f} s): open the files and ask the access channel for a new one"
             )
-        grant.spent = True
         self._live[token] = grant.peer.uid
         return grant
 

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -206,7 +207,11 @@ class WarmerService:
             elif not self.owner_only():
                 raise self._unproven("Warm")
             live = None
-            async with contextlib.aclosing(self._admission(request, grant)) as beats:
+            granted = None if grant is None else grant.files
+            admission = self._off_loop(
+                self._admit, request, granted, abandon=functools.partial(self._abandon, granted)
+            )
+            async with contextlib.aclosing(admission) as beats:
                 async for beat in beats:
                     if beat is None:
                         yield self._heartbeat()
@@ -256,42 +261,33 @@ class WarmerService:
                 f"uid {uid}'s live requests would name more than {cap} bytes (--user-max-bytes)"
             )
 
-    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> AsyncGenerator[Any, None]:
+    async def _off_loop(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        abandon: Callable[[concurrent.futures.Future[Any]], None] | None = None,
+    ) -> AsyncGenerator[Any, None]:
         """Run ``fn`` in an admission thread; yield None every heartbeat interval while it
-        runs, then its result."""
-        job = asyncio.wrap_future(self.node.admission_pool.submit(fn, *args))
+        runs, then its result. If the result is not delivered (the client left, or ``fn``
+        raised), ``fn`` is cancelled unless it has started, and ``abandon`` gets the job
+        once it is done or cancelled, to give back what it was handed or took."""
+        job = self.node.admission_pool.submit(fn, *args)
+        waiting = asyncio.wrap_future(job)
+        delivered = False
         try:
-            while not job.done():
-                await asyncio.wait([job], timeout=HEARTBEAT_SECONDS)
-                if not job.done():
+            while not waiting.done():
+                await asyncio.wait([waiting], timeout=HEARTBEAT_SECONDS)
+                if not waiting.done():
                     yield None
-            yield job.result()
+            result = waiting.result()
+            delivered = True
+            yield result
         finally:
-            if not job.done():
+            if not delivered:
                 job.cancel()
-                job.add_done_callback(_retrieved)
-
-    async def _admission(self, request: Any, grant: Grant | None) -> AsyncGenerator[Any, None]:
-        """Admit a decoded request in an admission thread (as ``_off_loop``). If the
-        client leaves first, whatever it was admitted with is given back."""
-        granted = None if grant is None else grant.files
-        job = self.node.admission_pool.submit(self._admit, request, granted)
-        admission = asyncio.wrap_future(job)
-        live = None
-        try:
-            while not admission.done():
-                await asyncio.wait([admission], timeout=HEARTBEAT_SECONDS)
-                if not admission.done():
-                    yield None
-            live = admission.result()
-            yield live
-        finally:
-            if live is None:  # refused, or the client left: give back what was taken
-                if job.cancel():  # not started: it never runs; the grant's files are ours
-                    for file, _ in granted or ():
-                        self.node.files.release(file)
-                job.add_done_callback(self._abandon)
-                admission.add_done_callback(_retrieved)
+                if abandon is not None:
+                    job.add_done_callback(abandon)
+                waiting.add_done_callback(_retrieved)
 
     def _trim_soon(self) -> None:
         """Collect and trim the heap once this request's frame has let go of it (one trim
@@ -356,10 +352,16 @@ class WarmerService:
             )
         )
 
-    def _abandon(self, job: concurrent.futures.Future[Request]) -> None:
-        """An admission nobody will use: give its files back once it is done (this runs
-        in the admission thread, or here if it is done already; the file table locks)."""
-        if not job.cancelled() and job.exception() is None:
+    def _abandon(
+        self, granted: list[Adopted] | None, job: concurrent.futures.Future[Request]
+    ) -> None:
+        """An admission nobody will use: give back the grant's files if it never ran, or
+        what it took if it succeeded (a refusal gave everything back itself). Runs in the
+        admission thread, or here if the job is over already; the file table locks."""
+        if job.cancelled():
+            for file, _ in granted or ():
+                self.node.files.release(file)
+        elif job.exception() is None:
             for file in job.result().acquired:
                 self.node.files.release(file)
 

@@ -59,9 +59,13 @@ def _ensure_users() -> None:
             )
 
 
+def _command(user: str, action: str, args: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", "tests.integration.as_user", user, action, json.dumps(args)]
+
+
 def as_user(user: str, action: str, **args: Any) -> dict[str, Any]:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.integration.as_user", user, action, json.dumps(args)],
+        _command(user, action, args),
         capture_output=True,
         text=True,
         timeout=180,
@@ -70,6 +74,13 @@ def as_user(user: str, action: str, **args: Any) -> dict[str, Any]:
     )
     assert result.returncode == 0, result.stderr
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def start_as_user(user: str, action: str, **args: Any) -> subprocess.Popen[str]:
+    """``as_user`` in the background: its stdout is a pipe, its stderr the test's."""
+    return subprocess.Popen(
+        _command(user, action, args), stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
 
 
 def _write(path: Path, size: int, mode: int, owner: str | None = None) -> Path:
@@ -262,19 +273,7 @@ def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
 
 def test_one_users_idle_connections_do_not_lock_out_another(area: Area) -> None:
     with group_daemon(area) as daemon:
-        hog = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.as_user",
-                MALLORY,
-                "hog",
-                json.dumps({"socket": daemon.socket, "connections": 300, "seconds": 20}),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
+        hog = start_as_user(MALLORY, "hog", socket=daemon.socket, connections=300, seconds=20)
         try:
             assert hog.stdout is not None
             assert json.loads(hog.stdout.readline())["holding"] > 0
@@ -373,19 +372,7 @@ def test_another_users_slow_or_hung_storage_does_not_hold_the_workers(
     ):
         # Alice's reads take both workers.
         args = {"socket": daemon.socket, "paths": [hung], "length": 16 * 2**20, "timeout": 40}
-        alice = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.as_user",
-                ALICE,
-                "client_warm",
-                json.dumps(args),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=ROOT,
-        )
+        alice = start_as_user(ALICE, "client_warm", **args)
         client = Client(daemon.socket)
         try:
             deadline = time.monotonic() + 20
@@ -424,18 +411,7 @@ def test_each_caller_is_shown_its_own_name_for_a_shared_file(area: Area) -> None
     os.link(public, secret_name)  # the same inode, under a name only alice may see
     with group_daemon(area) as daemon:
         args = {"socket": daemon.socket, "paths": [str(secret_name)], "length": 4096, "hold": 15}
-        alice = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.as_user",
-                ALICE,
-                "client_warm",
-                json.dumps(args),
-            ],
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-        )
+        alice = start_as_user(ALICE, "client_warm", **args)
         try:
             client = Client(daemon.socket)
             deadline = time.monotonic() + 20
@@ -515,19 +491,7 @@ def test_a_squatted_socket_directory_gets_nothing(area: Area) -> None:
     directory = Path(tempfile.gettempdir()) / f"spanwarm-{victim.pw_uid}"
     shutil.rmtree(directory, ignore_errors=True)
     own = _write(area.root / "victim.bin", 8192, 0o644, owner=VICTIM)
-    squatter = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.integration.as_user",
-            SQUATTER,
-            "squat",
-            json.dumps({"directory": str(directory), "seconds": 25}),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    squatter = start_as_user(SQUATTER, "squat", directory=str(directory), seconds=25)
     try:
         assert squatter.stdout is not None
         assert json.loads(squatter.stdout.readline())["listening"]
@@ -555,19 +519,7 @@ def test_the_per_user_default_directory_is_created_private(area: Area) -> None:
     victim = pwd.getpwnam(VICTIM)
     directory = Path(tempfile.gettempdir()) / f"spanwarm-{victim.pw_uid}"
     shutil.rmtree(directory, ignore_errors=True)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.integration.as_user",
-            VICTIM,
-            "cli",
-            json.dumps({"argv": ["serve"]}),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    server = start_as_user(VICTIM, "cli", argv=["serve"])
     try:
         deadline = time.monotonic() + 30
         while not (directory / "spanwarm.sock.access").exists():

@@ -104,7 +104,9 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tf")
     cases = _cases(root)
     (root / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # The worker imports tests.integration.read_recorder: the repository root on the path.
+    repo = str(Path(__file__).parents[2])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": repo}
     with running_daemon() as daemon:
         run = subprocess.run(
             [

@@ -19,14 +19,14 @@ import importlib
 import inspect
 import logging
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from spanwarm.client.client import Client, Ticket
+from spanwarm.client.client import Client
+from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.transformers.routing import REQUIRED, load_spans
 from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.tensor_layout import TensorSpans, stored_tensor_spans
@@ -40,57 +40,13 @@ _HOOKED = {**REQUIRED, "transformers.modeling_utils": ("PreTrainedModel", _CONVE
 
 
 @dataclass
-class LoadRecord:
+class LoadRecord(GatedReads):
     """One ``from_pretrained`` that spanwarm prefetched for."""
 
-    files: list[str]
-    spans: list[TensorSpans]
-    ticket: Ticket
-    wait_timeout: float | None
-    whole_files: bool = False
+    files: list[str] = field(default_factory=list, kw_only=True)
+    whole_files: bool = field(default=False, kw_only=True)
     """``disable_mmap`` or an hf-mount: transformers reads every file whole, not through
     slices; the daemon's reads then run ahead of it, file by file, with nothing to wait on."""
-    waited_s: float = 0.0
-    """Time the loader's reads spent waiting for readiness, summed over its threads."""
-    timed_out: bool = False
-    _read: set[str] = field(default_factory=set)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def requested_bytes(self) -> int:
-        return sum(s.length * s.count for s in self.spans)
-
-    def before_read(self, name: str) -> None:
-        """Wait until ``name`` is warm (the load goes on unwaited after a timeout)."""
-        if self.timed_out:
-            return
-        start = time.monotonic()
-        try:
-            ready = self.ticket.wait([name], timeout=self.wait_timeout)
-        except Exception as exc:  # never fail a read over a prefetch
-            ready = False
-            logger.warning("spanwarm: waiting for %s failed: %s", name, exc)
-        with self._lock:
-            self.waited_s += time.monotonic() - start
-            if not ready and not self.timed_out:
-                self.timed_out = True
-                logger.warning(
-                    "spanwarm: %s not warm after %ss; reading the rest of this load unwaited",
-                    name,
-                    self.wait_timeout,
-                )
-
-    def after_read(self, name: str) -> None:
-        """Report ``name`` read once (only the first read of a tensor counts)."""
-        with self._lock:
-            first = name not in self._read
-            self._read.add(name)
-        if first and not self.timed_out:
-            try:
-                self.ticket.consumed([name])
-            except Exception as exc:  # e.g. a closed client: stop reporting, keep loading
-                self.timed_out = True
-                logger.warning("spanwarm: cannot report %s read: %s", name, exc)
 
 
 class _WaitingSlice:
@@ -144,7 +100,11 @@ class Prefetch:
             logger.warning("spanwarm: cannot plan this load (%s); loading without prefetch", exc)
             return None
         record = LoadRecord(
-            [str(f) for f in checkpoint_files], spans, ticket, self.wait_timeout, whole_files
+            spans,
+            ticket,
+            self.wait_timeout,
+            files=[str(f) for f in checkpoint_files],
+            whole_files=whole_files,
         )
         self.loads.append(record)
         return record

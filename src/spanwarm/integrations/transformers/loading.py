@@ -36,6 +36,7 @@ __all__ = ["LoadRecord", "Prefetch", "disable", "enable", "prefetch"]
 logger = logging.getLogger("spanwarm.transformers")
 
 _CONVERT = "convert_and_load_state_dict_in_model"
+_DCP_LOAD = "_load_and_finalize_distributed_pretrained_model"
 _HOOKED = {**REQUIRED, "transformers.modeling_utils": ("PreTrainedModel", _CONVERT)}
 
 
@@ -80,7 +81,9 @@ class Prefetch:
         self.job = job
         self.wait_timeout = wait_timeout
         self.active = active
-        self.loads: list[LoadRecord] = []
+        self.loads: list[GatedReads] = []
+        """What each load requested: a :class:`LoadRecord` per safetensors load, a
+        :class:`~spanwarm.integrations.dcp.DcpLoad` per distributed-checkpoint one."""
 
     def start(
         self, model: Any, state_dict: Any, checkpoint_files: Sequence[str] | None, load_config: Any
@@ -225,6 +228,7 @@ def _install() -> None:
 
     _originals["load"] = inspect.getattr_static(PreTrainedModel, "_load_pretrained_model")
     _originals["convert"] = convert
+    _install_distributed_checkpoints(PreTrainedModel)
     PreTrainedModel._load_pretrained_model = staticmethod(load_pretrained_model)  # type: ignore[method-assign]
     setattr(modeling_utils, _CONVERT, convert_and_load)
 
@@ -268,6 +272,32 @@ def disable() -> None:
         _disable()
 
 
+def _install_distributed_checkpoints(model_class: Any) -> None:
+    """A directory written by ``save_pretrained(..., distributed_checkpoint=True)`` loads
+    through ``_load_and_finalize_distributed_pretrained_model``: one ``dcp.load`` with
+    ``HuggingFaceStorageReader`` of the model's (redistributed) state dict. That load
+    reads through :class:`~spanwarm.integrations.dcp.PrefetchReader`, in this thread only."""
+    load_distributed = getattr(model_class, _DCP_LOAD, None)
+    if load_distributed is None:  # older transformers: no distributed checkpoints
+        return
+
+    def prefetched(model: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _installed
+        if session is None or not session.active:
+            return load_distributed(model, checkpoint_dir, *args, **kwargs)
+        from spanwarm.integrations.dcp import hooks
+
+        readers = hooks.Prefetch(session.client, session.job, session.wait_timeout)
+        try:
+            with hooks.scoped(readers):
+                return load_distributed(model, checkpoint_dir, *args, **kwargs)
+        finally:
+            session.loads.extend(load for reader in readers.readers for load in reader.loads)
+
+    _originals["dcp"] = model_class.__dict__.get(_DCP_LOAD)  # None: inherited (a mixin's)
+    setattr(model_class, _DCP_LOAD, prefetched)
+
+
 def _disable() -> None:
     global _installed
     if _installed is None:
@@ -277,6 +307,12 @@ def _disable() -> None:
 
     PreTrainedModel._load_pretrained_model = _originals.pop("load")  # type: ignore[method-assign]
     setattr(modeling_utils, _CONVERT, _originals.pop("convert"))
+    if "dcp" in _originals:
+        own = _originals.pop("dcp")
+        if own is None:
+            delattr(PreTrainedModel, _DCP_LOAD)
+        else:
+            setattr(PreTrainedModel, _DCP_LOAD, own)
     _installed = None
 
 

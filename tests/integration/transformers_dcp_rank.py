@@ -28,8 +28,8 @@ from spanwarm.integrations.dcp import DcpLoad
 from spanwarm.residency import evict
 from tests.integration.read_recorder import RecordingFile, reads
 
-SAVED_WITH = {"tp_size": 2, "fsdp_size": 2}
-LOADED_WITH: dict[str, dict[str, int]] = {"tp4": {"tp_size": 4}, "fsdp4": {"fsdp_size": 4}}
+SAVED_WITH: dict[str, Any] = {"tp_size": 2, "fsdp_size": 2}
+LOADED_WITH: dict[str, dict[str, Any]] = {"tp4": {"tp_size": 4}, "fsdp4": {"fsdp_size": 4}}
 
 
 class Warnings(logging.Handler):
@@ -41,7 +41,7 @@ class Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def load(directory: Path | str, distributed: dict[str, int]) -> Any:
+def load(directory: Path | str, distributed: dict[str, Any]) -> Any:
     return AutoModelForCausalLM.from_pretrained(
         str(directory), distributed_config=DistributedConfig(**distributed), dtype=torch.bfloat16
     )

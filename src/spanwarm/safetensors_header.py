@@ -409,11 +409,19 @@ class Checkpoint:
 
 
 def _locate_tensors(headers: Iterable[Header]) -> dict[str, tuple[tuple[Header, TensorInfo], ...]]:
+    """Where each tensor is stored. A tensor stored whole in a file of its own kind and as
+    DCP chunks too is a consolidated distributed checkpoint (torch's
+    ``consolidate_safetensors_files`` writing into the shards' directory): the whole copy
+    is what a safetensors loader opens (the index names it; no loader reads both), so the
+    chunks are left out. Any other tensor stored twice at one offset is an error."""
     located: dict[str, list[tuple[Header, TensorInfo]]] = {}
     for header in headers:
         for tensor in header.tensors:
             located.setdefault(tensor.name, []).append((header, tensor))
     for name, pieces in located.items():
+        whole = [p for p in pieces if DCP_SHARDING_INFO not in p[0].metadata]
+        if whole and len(whole) < len(pieces):
+            pieces[:] = whole
         offsets = [t.global_offset for _, t in pieces]
         if len(pieces) > 1 and len(set(offsets)) != len(offsets):
             first, second = pieces[0][0].path, pieces[1][0].path

@@ -368,3 +368,32 @@ def test_open_checkpoint_locates_dcp_chunks_across_files(tmp_path: Path) -> None
         (tmp_path / f"{i}.safetensors").write_bytes(raw_safetensors(header, bytes(6)))
     ckpt = open_checkpoint(tmp_path)
     assert [t.global_offset for _, t in ckpt.pieces["w"]] == [(0, 0), (2, 0)]
+
+
+def test_dcp_shards_consolidated_in_place_are_planned_from_the_consolidated_file(
+    tmp_path: Path,
+) -> None:
+    """torch's own consolidation, written into the shards' directory: every file of it
+    opens as one checkpoint, and each tensor comes from the file the index names."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
+
+    full = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
+    for i in range(2):
+        info = json.dumps({"w": {"saved_offsets": [3 * i, 0]}})
+        metadata = {"DCP_SHARDING_INFO": info, "DCP_VERSION": "1.0", "format": "pt"}
+        name = f"shard-0000{i + 1}-model-00001-of-00001.safetensors"
+        save_file({"w": full[3 * i : 3 * i + 3].clone()}, str(tmp_path / name), metadata)
+    consolidate_safetensors_files(str(tmp_path), str(tmp_path), fqn_to_index_mapping={"w": 1})
+    everything = sorted(str(p) for p in tmp_path.glob("*.safetensors"))
+    assert len(everything) == 3
+    for checkpoint in (everything, tmp_path):
+        ckpt = open_checkpoint(checkpoint)
+        (header, tensor), *rest = ckpt.pieces["w"]
+        assert rest == []
+        assert Path(header.path).name == "model-00001-of-00001.safetensors"
+        data = Path(header.path).read_bytes()[header.file_offset(tensor) :][: tensor.nbytes]
+        assert data == full.numpy().tobytes()

@@ -106,19 +106,16 @@ def _placements_for(
     return (Replicate(),) * mesh_dims
 
 
-def plan_node(
-    checkpoint: Checkpoint,
-    *,
+def check_layout(
     world: int,
     local_world: int,
-    node: int = 0,
-    mesh_shape: Sequence[int] | None = None,
-    rules: Iterable[PlacementRule] = (),
-    seek_cost: int = DEFAULT_SEEK_COST,
-) -> NodePlan:
-    """The node plan for ``node`` when every rank holds what ``rules`` place on it."""
+    node: int,
+    mesh_shape: Sequence[int] | None,
+    rules: Sequence[PlacementRule],
+    seek_cost: int,
+) -> tuple[int, ...]:
+    """Validate a what-if layout (ValueErrors name the flag); returns the mesh shape."""
     mesh = tuple(mesh_shape) if mesh_shape is not None else (world,)
-    rules = tuple(rules)
     if world < 1 or local_world < 1 or world % local_world:
         raise ValueError(
             f"--world {world} must be a positive multiple of --local-world {local_world}"
@@ -135,6 +132,22 @@ def plan_node(
             )
     if seek_cost < 0:
         raise ValueError(f"--seek-cost must be >= 0, got {seek_cost}")
+    return mesh
+
+
+def plan_node(
+    checkpoint: Checkpoint,
+    *,
+    world: int,
+    local_world: int,
+    node: int = 0,
+    mesh_shape: Sequence[int] | None = None,
+    rules: Iterable[PlacementRule] = (),
+    seek_cost: int = DEFAULT_SEEK_COST,
+) -> NodePlan:
+    """The node plan for ``node`` when every rank holds what ``rules`` place on it."""
+    rules = tuple(rules)
+    mesh = check_layout(world, local_world, node, mesh_shape, rules, seek_cost)
     ranks = tuple(range(node * local_world, (node + 1) * local_world))
     coordinates = [tuple(int(c) for c in np.unravel_index(r, mesh)) for r in ranks]
 

@@ -132,3 +132,52 @@ def test_without_a_daemon_the_load_is_unchanged(loaded: Path) -> None:
         assert result["ready"] == 0  # released, never reported warm
         assert len(result["warnings"]) == 1, result["warnings"]
         assert "daemon" in result["warnings"][0]
+
+
+def _union_bytes(results: list[dict[str, Any]]) -> dict[str, int]:
+    """Per file, the bytes in the union of what these ranks requested, plus its header
+    when it is safetensors (every rank's reader reads the headers first, for metadata)."""
+    pairs: dict[str, list[list[int]]] = {}
+    for result in results:
+        for path, intervals in result["requested"].items():
+            pairs.setdefault(path, []).extend(intervals)
+    return {
+        path: int((merged[:, 1] - merged[:, 0]).sum()) + _header_bytes(path)
+        for path, merged in ((p, _intervals(i)) for p, i in pairs.items())
+    }
+
+
+def _header_bytes(path: str) -> int:
+    if not path.endswith(".safetensors"):
+        return 0
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("fmt", ["hf", "native"])
+def test_plan_of_a_dcp_directory_is_what_its_ranks_requested(loaded: Path, fmt: str) -> None:
+    """`spanwarm plan DCP_DIR` with the FSDP4 layout the loads used: per file, the bytes
+    it says node 0 needs are the union of what the 4 ranks' real loads requested."""
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spanwarm",
+            "plan",
+            str(loaded / fmt),
+            "--world",
+            "4",
+            "--local-world",
+            "4",
+            "--place",
+            ".=Shard(0)",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    needed = {f["path"]: f["needed_bytes"] for f in json.loads(plan.stdout)["files"]}
+    requested = _union_bytes([_result(loaded, f"{fmt}-fsdp4-reader", r) for r in range(RANKS)])
+    assert {p: n for p, n in needed.items() if n} == requested

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 from tests.daemon_harness import running_daemon
-from tests.integration.test_dcp_integration import _covered
+from tests.integration.test_dcp_integration import _covered, _union_bytes
 from tests.tiny_models import build_model, reference_path
 
 WORKER = Path(__file__).with_name("transformers_dcp_rank.py")
@@ -87,3 +87,23 @@ def test_distributed_checkpoint_loads_request_what_they_read(loaded: Path, case:
         read_bytes, requested_bytes = _covered(result)
         assert read_bytes > 0
         assert requested_bytes <= 1.05 * read_bytes, (rank, requested_bytes, read_bytes)
+
+
+@pytest.mark.torchrun
+def test_plan_of_a_transformers_distributed_checkpoint(loaded: Path) -> None:
+    """`spanwarm plan DCP_DIR --fsdp 4`: per file, what node 0 needs is the union of what
+    the 4 ranks of the real FSDP4 load requested."""
+    plan = subprocess.run(
+        [
+            *(sys.executable, "-m", "spanwarm", "plan", str(loaded / "llama-dense-dcp")),
+            *("--fsdp", "4", "--local-world", "4", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    needed = {f["path"]: f["needed_bytes"] for f in json.loads(plan.stdout)["files"]}
+    results = [
+        json.loads((loaded / f"llama-dense-fsdp4.rank{r}.json").read_text()) for r in range(RANKS)
+    ]
+    assert {p: n for p, n in needed.items() if n} == _union_bytes(results)

@@ -15,7 +15,7 @@ from typing import Any
 from spanwarm.cli.arguments import size
 from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.errors import CheckpointError
-from spanwarm.planner import NodePlan, PlacementRule, plan_node, plan_node_spans
+from spanwarm.planner import NodePlan, PlacementRule, check_layout, plan_node, plan_node_spans
 from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 from spanwarm.units import format_bytes
 
@@ -111,8 +111,8 @@ _SIZES = {
 }
 
 
-def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> NodePlan:
-    """Every rank of the node planned through transformers' own distributed loading."""
+def _sizes(args: argparse.Namespace) -> tuple[dict[str, int], int, range]:
+    """transformers' distributed config sizes, the world they make, and the node's ranks."""
     if args.place or args.mesh:
         raise ValueError("--place and --mesh do not apply to --tp/--fsdp/--ep/--dp-replicate")
     if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
@@ -131,6 +131,12 @@ def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> Node
     if not 0 <= args.node < world // args.local_world:
         raise ValueError(f"--node {args.node} is outside 0..{world // args.local_world - 1}")
     ranks = range(args.node * args.local_world, (args.node + 1) * args.local_world)
+    return sizes, world, ranks
+
+
+def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> NodePlan:
+    """Every rank of the node planned through transformers' own distributed loading."""
+    sizes, world, ranks = _sizes(args)
     from spanwarm.integrations.transformers.whatif import rank_load_spans
 
     with _quiet_transformers():
@@ -138,6 +144,44 @@ def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> Node
     spans = (s for rank_spans in per_rank.values() for s in rank_spans)
     return plan_node_spans(
         checkpoint, spans, node=args.node, ranks=list(ranks), seek_cost=args.seek_cost
+    )
+
+
+def _is_dcp(checkpoint: str) -> bool:
+    from spanwarm.integrations.dcp.whatif import dcp_format  # no torch until it is one
+
+    return dcp_format(checkpoint) is not None
+
+
+def _dcp_plan(args: argparse.Namespace) -> NodePlan:
+    """A DCP checkpoint: the load plans of the node's ranks, read as its reader reads."""
+    from spanwarm.integrations.dcp.whatif import model_boxes, plan_dcp_node, rule_boxes
+
+    if any(getattr(args, flag) is not None for flag in _SIZES):
+        sizes, world, ranks = _sizes(args)
+        from spanwarm.integrations.transformers.whatif import meta_model
+
+        with _quiet_transformers(), meta_model(args.checkpoint, sizes, world=world) as (model, _):
+            return plan_dcp_node(
+                args.checkpoint,
+                node=args.node,
+                ranks=list(ranks),
+                boxes_of=model_boxes(model),
+                whole_bytes=False,
+                seek_cost=args.seek_cost,
+            )
+    if args.world is None:
+        raise ValueError("--world or --nodes is required (or --tp/--fsdp/--ep for a model)")
+    mesh = check_layout(
+        args.world, args.local_world, args.node, args.mesh, args.place, args.seek_cost
+    )
+    return plan_dcp_node(
+        args.checkpoint,
+        node=args.node,
+        ranks=list(range(args.node * args.local_world, (args.node + 1) * args.local_world)),
+        boxes_of=rule_boxes(args.place, mesh),
+        whole_bytes=True,
+        seek_cost=args.seek_cost,
     )
 
 
@@ -166,16 +210,17 @@ def run(args: argparse.Namespace) -> int:
                     f"{args.local_world}"
                 )
             args.world = implied
-        checkpoint = open_checkpoint(args.checkpoint)
-        if any(getattr(args, flag) is not None for flag in _SIZES):
-            plan = _transformers_plan(args, checkpoint)
+        if _is_dcp(args.checkpoint):
+            plan = _dcp_plan(args)
+        elif any(getattr(args, flag) is not None for flag in _SIZES):
+            plan = _transformers_plan(args, open_checkpoint(args.checkpoint))
         elif args.world is None:
             raise ValueError(
                 "--world or --nodes is required (or --tp/--fsdp/--ep for a model directory)"
             )
         else:
             plan = plan_node(
-                checkpoint,
+                open_checkpoint(args.checkpoint),
                 world=args.world,
                 local_world=args.local_world,
                 node=args.node,

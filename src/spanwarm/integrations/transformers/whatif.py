@@ -14,14 +14,15 @@ ranks different layers and is not planned here.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from spanwarm.integrations.transformers.routing import load_spans
 from spanwarm.safetensors_header import Checkpoint
 from spanwarm.tensor_layout import TensorSpans
 
-__all__ = ["ParallelismError", "rank_load_spans"]
+__all__ = ["ParallelismError", "meta_model", "rank_load_spans"]
 
 
 class ParallelismError(ValueError):
@@ -37,16 +38,13 @@ def _model_class(config: Any) -> Any:
     return transformers.AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def rank_load_spans(
-    model_dir: str | os.PathLike[str],
-    checkpoint: Checkpoint,
-    distributed: dict[str, Any],
-    *,
-    world: int,
-    ranks: Iterable[int],
-) -> dict[int, list[TensorSpans]]:
-    """Spans each of ``ranks`` reads when ``world`` ranks load ``model_dir`` with
-    ``DistributedConfig(**distributed)``."""
+@contextmanager
+def meta_model(
+    model_dir: str | os.PathLike[str], distributed: dict[str, Any], *, world: int
+) -> Iterator[tuple[Any, Any]]:
+    """``(model, weight mapping)``: the model on meta as ``world`` ranks load ``model_dir``
+    with ``DistributedConfig(**distributed)``, its parameters DTensors with their final
+    placements, inside a fake process group that lasts while the block runs."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -67,15 +65,33 @@ def rank_load_spans(
         raise ParallelismError("pipeline parallel loads are not planned (pp_size > 1)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        dc, _, mesh_manager = model_class.prepare_distribute_model(distributed_config)
-        config.distributed_config = dc
-        with ContextManagers(model_class.get_init_context(torch.bfloat16, False, False, False)):
-            model = model_class(config)
-        # As from_pretrained does: before distributing, which renames classes (FSDP...).
-        mapping = get_model_conversion_mapping(model, None, None)
-        model = model_class.maybe_distribute_model(model, dc, mesh_manager)
-        return {rank: load_spans(model, checkpoint, mapping, rank=rank) for rank in ranks}
-    except Exception as exc:
-        raise ParallelismError(f"{model_class.__name__} with {distributed}: {exc}") from exc
+        try:
+            dc, _, mesh_manager = model_class.prepare_distribute_model(distributed_config)
+            config.distributed_config = dc
+            with ContextManagers(model_class.get_init_context(torch.bfloat16, False, False, False)):
+                model = model_class(config)
+            # As from_pretrained does: before distributing, which renames classes (FSDP...).
+            mapping = get_model_conversion_mapping(model, None, None)
+            model = model_class.maybe_distribute_model(model, dc, mesh_manager)
+        except Exception as exc:
+            raise ParallelismError(f"{model_class.__name__} with {distributed}: {exc}") from exc
+        yield model, mapping
     finally:
         dist.destroy_process_group()
+
+
+def rank_load_spans(
+    model_dir: str | os.PathLike[str],
+    checkpoint: Checkpoint,
+    distributed: dict[str, Any],
+    *,
+    world: int,
+    ranks: Iterable[int],
+) -> dict[int, list[TensorSpans]]:
+    """Spans each of ``ranks`` reads when ``world`` ranks load ``model_dir`` with
+    ``DistributedConfig(**distributed)``."""
+    with meta_model(model_dir, distributed, world=world) as (model, mapping):
+        try:
+            return {rank: load_spans(model, checkpoint, mapping, rank=rank) for rank in ranks}
+        except Exception as exc:
+            raise ParallelismError(f"{type(model).__name__} with {distributed}: {exc}") from exc

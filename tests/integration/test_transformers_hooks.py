@@ -20,9 +20,14 @@ from spanwarm.integrations.transformers import loading  # noqa: E402
 CONVERT = "convert_and_load_state_dict_in_model"
 
 
-def _hooks() -> tuple[object, object]:
-    return inspect.getattr_static(PreTrainedModel, "_load_pretrained_model"), getattr(
-        modeling_utils, CONVERT
+DCP_LOAD = "_load_and_finalize_distributed_pretrained_model"
+
+
+def _hooks() -> tuple[object, object, object]:
+    return (
+        inspect.getattr_static(PreTrainedModel, "_load_pretrained_model"),
+        getattr(modeling_utils, CONVERT),
+        getattr(PreTrainedModel, DCP_LOAD),
     )
 
 
@@ -33,8 +38,10 @@ def test_prefetch_installs_its_hooks_and_puts_transformers_back() -> None:
         during = _hooks()
         assert during[0] is not before[0]
         assert during[1] is not before[1]
+        assert during[2] is not before[2]  # distributed checkpoints: DCP, prefetched
         assert spanwarm_tf.enable() is session  # idempotent
     assert _hooks() == before
+    assert DCP_LOAD not in vars(PreTrainedModel)  # the mixin's own, inherited again
 
 
 def test_a_missing_internal_disables_the_integration_with_one_warning(

@@ -154,9 +154,12 @@ def _box_spans(
     group: str, header: Header, tensor: TensorInfo, box: Sequence[tuple[int, int]] | None
 ) -> list[TensorSpans]:
     """Spans of ``box`` (per dim ``(start, stop)`` in the stored tensor; None: all of it)."""
+    if box is not None and (
+        len(box) != len(tensor.shape)
+        or any(not 0 <= a <= b <= n for (a, b), n in zip(box, tensor.shape, strict=False))
+    ):
+        raise ValueError(f"box {box} is outside {tensor.name} of shape {list(tensor.shape)}")
     needed = None if box is None else tuple(((a, b),) if b > a else () for a, b in box)
-    if needed is not None and len(needed) != len(tensor.shape):
-        raise ValueError(f"{len(needed)} dims for the {len(tensor.shape)}-dim {tensor.name}")
     return [
         TensorSpans(group, header.path, s.offset, s.length, s.stride, s.count)
         for s in tensor_spans(header.file_offset(tensor), tensor.shape, tensor.dtype, needed)

@@ -22,7 +22,8 @@ where it applies, and the cause, so that callers never parse messages::
     │   │   ├── ShardMissingError       a shard (named by the index, or given) does not exist
     │   │   ├── ShardOutsideCheckpointError  a shard path escapes the checkpoint directory
     │   │   ├── NoShardsError           nothing to load: no index and no *.safetensors
-    │   │   └── DuplicateTensorError    one tensor stored twice with no chunk offsets
+    │   │   ├── DuplicateTensorError    one tensor stored twice with no chunk offsets
+    │   │   └── MetadataFormatError     a DCP .metadata file that is not DCP metadata
     │   ├── FileChangedError            a file shrank or was replaced while being warmed
     │   ├── StorageError                the storage failed a read or a lookup (EIO, ESTALE ...)
     │   ├── PathNotAllowedError         a file outside the daemon's allowed roots
@@ -58,6 +59,7 @@ __all__ = [
     "InvalidOffsetsError",
     "InvalidRequestError",
     "InvalidTensorInfoError",
+    "MetadataFormatError",
     "NoShardsError",
     "NotARegularFileError",
     "PathNotAllowedError",
@@ -165,6 +167,10 @@ class NoShardsError(CheckpointLayoutError):
 
 class DuplicateTensorError(CheckpointLayoutError):
     """Two files store the same tensor name and neither records chunk offsets."""
+
+
+class MetadataFormatError(CheckpointLayoutError):
+    """A DCP ``.metadata`` file is not DCP's metadata (it is never unpickled as code)."""
 
 
 class FileChangedError(CheckpointError):

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from spanwarm.costmodel import plan_file
+from spanwarm.errors import MetadataFormatError
+from spanwarm.integrations.dcp.metadata import load_metadata
 from spanwarm.integrations.dcp.reads import plan_reads
 from spanwarm.placements import Placement, Replicate, Shard, StridedShard, local_index_runs
 from spanwarm.planner import NodePlan, PlacementRule
@@ -71,8 +73,12 @@ def _reader(directory: str, fmt: str) -> tuple[Any, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    reader = FileSystemReader(directory) if fmt == "native" else HuggingFaceStorageReader(directory)
-    metadata = reader.read_metadata()
+    if fmt == "native":  # torch would pickle.load it: never run what it names
+        reader: Any = FileSystemReader(directory)
+        metadata = load_metadata(os.path.join(directory, ".metadata"))
+    else:
+        reader = HuggingFaceStorageReader(directory)
+        metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     return reader, metadata
 
@@ -145,7 +151,11 @@ def plan_dcp_node(
     spans: list[TensorSpans] = []
     for rank in ranks:
         items = _read_items(metadata, boxes_of(rank, shapes), whole_bytes)
-        reads = plan_reads(reader, LoadPlan(items))
+        try:
+            reads = plan_reads(reader, LoadPlan(items))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # what torch's reader would trip over too: storage data that does not fit
+            raise MetadataFormatError(path, f"its load plans do not fit its files: {exc}") from exc
         if reads is not None:
             spans.extend(reads.spans)
     by_file: dict[str, list[tuple[int, int, int, int]]] = {}

@@ -156,7 +156,7 @@ def test_spanwarm_disable_requests_nothing(
 def test_enable_wraps_inferred_and_explicit_readers_and_puts_torch_back(
     native_dir: Path, hf_dir: Path, daemon: str
 ) -> None:
-    original = state_dict_loader._storage_setup  # type: ignore[attr-defined]
+    original = state_dict_loader._load_state_dict
     with spanwarm_dcp.prefetch(Client(daemon), job="t") as session:
         assert spanwarm_dcp.enable() is session  # idempotent
         state = _zeros()
@@ -166,8 +166,15 @@ def test_enable_wraps_inferred_and_explicit_readers_and_puts_torch_back(
         state = _zeros()
         dcp_load(state, storage_reader=explicit, no_dist=True)  # not wrapped twice
         assert _equal(state)
-    assert state_dict_loader._storage_setup is original  # type: ignore[attr-defined]
-    assert [type(r.reader).__name__ for r in session.readers] == ["FileSystemReader"]
+        state = _zeros()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated, and still used
+            state_dict_loader.load_state_dict(
+                state, storage_reader=FileSystemReader(str(native_dir)), no_dist=True
+            )
+        assert _equal(state)
+    assert state_dict_loader._load_state_dict is original
+    assert [type(r.reader).__name__ for r in session.readers] == ["FileSystemReader"] * 2
     assert session.readers[0].loads[0].kind == "native"
     assert len(explicit.loads) == 1
     # disabled: the next load is torch's own
@@ -175,7 +182,7 @@ def test_enable_wraps_inferred_and_explicit_readers_and_puts_torch_back(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp_load(state, checkpoint_id=str(native_dir), no_dist=True)
-    assert len(session.readers) == 1
+    assert len(session.readers) == 2
 
 
 def test_the_wrapper_is_a_storage_reader_torch_can_probe(hf_dir: Path) -> None:

@@ -1,16 +1,18 @@
 """``enable()``: every ``dcp.load`` in the process reads through :class:`PrefetchReader`.
 
-``dcp.load`` (and ``_load_state_dict_from_keys``) get their reader from
-``state_dict_loader._storage_setup(storage_reader, checkpoint_id, reader=True)``: the
-explicit ``storage_reader=`` or the one inferred from ``checkpoint_id=``. Wrapping that
-one function catches every load however ``load`` was imported (``dcp.load``, ``from
-torch.distributed.checkpoint import load``) and leaves saving alone. A session can also
-be scoped to one thread (:func:`scoped`): the transformers integration prefetches its
-distributed-checkpoint loads that way without enabling anything process-wide.
+``dcp.load``, the deprecated ``dcp.load_state_dict`` and ``_load_state_dict_from_keys``
+all hand their reader (the explicit ``storage_reader=`` or the one inferred from
+``checkpoint_id=``) to ``state_dict_loader._load_state_dict``, looked up in that module
+at call time. Wrapping that one function catches every load however ``load`` was
+imported (``dcp.load``, ``from torch.distributed.checkpoint import load``) and leaves
+saving alone. A session can also be scoped to one thread (:func:`scoped`): the
+transformers integration prefetches its distributed-checkpoint loads that way without
+enabling anything process-wide.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Iterator
@@ -44,11 +46,11 @@ class Prefetch:
         return wrapped
 
 
-_SETUP = "_storage_setup"  # in torch.distributed.checkpoint.state_dict_loader
+_LOAD = "_load_state_dict"  # in torch.distributed.checkpoint.state_dict_loader
 _installed: Prefetch | None = None
 _scoped = threading.local()
 _lock = threading.Lock()
-_original: Any = None  # torch's _storage_setup while hooked
+_original: Any = None  # torch's _load_state_dict while hooked
 _scoped_count = 0  # scoped sessions open in any thread
 
 
@@ -58,27 +60,28 @@ def _active() -> Prefetch | None:
 
 
 def _hook() -> None:
-    """Wrap ``_storage_setup`` once; it consults the active session on every load."""
+    """Wrap ``_load_state_dict`` once; it consults the active session on every load."""
     global _original
     if _original is not None:
         return
     from torch.distributed.checkpoint import state_dict_loader
 
-    original = getattr(state_dict_loader, _SETUP)
+    original = getattr(state_dict_loader, _LOAD)
+    signature = inspect.signature(original)
 
-    def storage_setup(storage: Any, checkpoint_id: Any, reader: bool = False) -> Any:
-        chosen = original(storage, checkpoint_id, reader=reader)
+    def load_state_dict(*args: Any, **kwargs: Any) -> Any:
         session = _active()
-        if not reader or session is None:
-            return chosen
-        try:
-            return session.wrap(chosen)
-        except Exception as exc:  # never fail a load over a prefetch
-            logger.warning("spanwarm: cannot wrap %r (%s); loading without prefetch", chosen, exc)
-            return chosen
+        if session is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+                bound.arguments["storage_reader"] = session.wrap(bound.arguments["storage_reader"])
+                args, kwargs = bound.args, bound.kwargs
+            except Exception as exc:  # never fail a load over a prefetch
+                logger.warning("spanwarm: cannot wrap this load's reader (%s); no prefetch", exc)
+        return original(*args, **kwargs)
 
     _original = original
-    setattr(state_dict_loader, _SETUP, storage_setup)
+    setattr(state_dict_loader, _LOAD, load_state_dict)
 
 
 def _unhook() -> None:
@@ -87,7 +90,7 @@ def _unhook() -> None:
         return
     from torch.distributed.checkpoint import state_dict_loader
 
-    setattr(state_dict_loader, _SETUP, _original)
+    setattr(state_dict_loader, _LOAD, _original)
     _original = None
 
 

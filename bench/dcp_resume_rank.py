@@ -31,13 +31,12 @@ requested and how many of the request's items the daemon reported warm.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -57,14 +57,13 @@ from bench.e2e_rank import rank_arguments
 from spanwarm.client import Client
 
 HIDDEN, FFN, VOCAB, LAYERS = 1536, 4099, 16003, 3
-SAVE_WORLD = 4
 STEP = 1000
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
-# Parameter -> (shape, how the resumed job shards it on its 1-D mesh).
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
 
 
 def model() -> dict[str, tuple[tuple[int, ...], str]]:
+    """Parameter -> (shape, how the resumed job shards it on its 1-D mesh)."""
     params: dict[str, tuple[tuple[int, ...], str]] = {
         "tok_embeddings.weight": ((VOCAB, HIDDEN), COLWISE)
     }
@@ -110,23 +109,29 @@ def values(
     seed: int, shape: tuple[int, ...], offset: tuple[int, ...], local: tuple[int, ...]
 ) -> torch.Tensor:
     """The slice ``[offset, offset + local)`` of tensor ``seed`` (global ``shape``), in f32:
-    a multiplicative hash of the flat global index, 256 values in [-8, 8) by 1/16, exact in
-    bf16 too."""
-    index = torch.zeros(local, dtype=torch.int64)
+    a 32-bit hash of the seed and the flat global index, 256 values in [-8, 8) by 1/16,
+    exact in bf16 too. Products stay below 2**62: no int64 overflow."""
+    index = torch.full(local, seed << 25, dtype=torch.int64)  # every tensor < 2**25 elements
     stride = 1
     for dim in reversed(range(len(shape))):
         axis = torch.arange(offset[dim], offset[dim] + local[dim], dtype=torch.int64) * stride
         index += axis.view(*([1] * dim), local[dim], *([1] * (len(shape) - dim - 1)))
         stride *= shape[dim]
-    index += seed * 40_503_001
-    index *= 2_654_435_761
-    index >>= 16
+    for multiplier, shift in ((0x2C1B3C6D, 12), (0x297A2D39, 15)):
+        index *= multiplier
+        index &= 0xFFFFFFFF
+        index ^= index >> shift
     index &= 0xFF
     return index.to(torch.float32) / 16 - 8
 
 
 def resume_placements(layout: str) -> list[Placement]:
-    return {COLWISE: [Shard(0)], ROWWISE: [Shard(1)], REPLICATE: [Replicate()]}[layout]
+    placements: dict[str, list[Placement]] = {
+        COLWISE: [Shard(0)],
+        ROWWISE: [Shard(1)],
+        REPLICATE: [Replicate()],
+    }
+    return placements[layout]
 
 
 def local_slice(
@@ -178,7 +183,7 @@ def save(out: Path) -> None:
         put(state, path, sharded(mesh, fsdp, shape, values(seed, shape, offset, local).to(dtype)))
     for name in MODEL:  # every rank has the same: DCP stores it once
         put(state, ("optim", "state", name, "step"), torch.tensor(float(STEP)))
-    dcp.save(state, checkpoint_id=str(out))
+    dcp_save(state, checkpoint_id=str(out))
     dist.destroy_process_group()
 
 
@@ -203,9 +208,11 @@ def wrong_values(state: dict[str, Any], mesh: DeviceMesh) -> list[str]:
         expected = values(seed, shape, offset, local).to(dtype)
         if not torch.equal(value.to_local(), expected):
             wrong.append(".".join(path))
-    for name in MODEL:
-        if get(state, ("optim", "state", name, "step")).item() != STEP:
-            wrong.append(f"optim.state.{name}.step")
+    wrong += [
+        f"optim.state.{name}.step"
+        for name in MODEL
+        if get(state, ("optim", "state", name, "step")).item() != STEP
+    ]
     return wrong
 
 
@@ -219,6 +226,7 @@ def load() -> None:
         init_method=f"file://{args.barrier / 'store'}",
         rank=args.rank,
         world_size=args.world,
+        timeout=timedelta(minutes=5),  # a rank that failed must not hang the other for long
     )
     mesh = init_device_mesh("cpu", (args.world,))
     state = targets(mesh)
@@ -228,21 +236,21 @@ def load() -> None:
 
     dist.barrier()
     start = time.monotonic()
-    dcp.load(state, checkpoint_id=str(args.checkpoint))
+    dcp_load(state, checkpoint_id=str(args.checkpoint))
     total = time.monotonic() - start
 
     result: dict[str, Any] = {"rank": args.rank, "start": start, "total_s": total}
     if session is not None:
-        loads = [load for reader in session.readers for load in reader.loads]
+        loads = [prefetched for reader in session.readers for prefetched in reader.loads]
         if not loads:
             sys.exit(f"rank {args.rank}: spanwarm did not prefetch this load")
-        progress = loads[-1].ticket.progress
+        progress = [prefetched.ticket.progress for prefetched in loads]
         result |= {
-            "waited_s": sum(load.waited_s for load in loads),
-            "requested_bytes": sum(load.requested_bytes for load in loads),
-            "items": progress.groups,
-            "warm": progress.ready,
-            "failed": progress.failed,
+            "waited_s": sum(prefetched.waited_s for prefetched in loads),
+            "requested_bytes": sum(prefetched.requested_bytes for prefetched in loads),
+            "items": sum(p.groups for p in progress),
+            "warm": sum(p.ready for p in progress),
+            "failed": sum(p.failed for p in progress),
         }
     wrong = wrong_values(state, mesh)
     if wrong:
@@ -252,7 +260,6 @@ def load() -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if sys.argv[1:2] == ["save"]:
         save(Path(sys.argv[2]))
     else:

@@ -124,6 +124,8 @@ def main() -> None:
     ]
     tf_load = ["--mounts", "local", "--reps", "1"] if quick else ["--reps", "3"]
     sections.append(run("bench_transformers_load.py", *tf_load, markdown=True))
+    dcp = ["--mounts", "local", "--reps", "1"] if quick else ["--reps", "3"]
+    sections.append(run("bench_dcp_resume.py", *dcp, markdown=True))
     args.output.write_text("\n".join(sections) + "\n")
     print(f"wrote {args.output}")
 

@@ -194,3 +194,43 @@ def test_the_wrapper_is_a_storage_reader_torch_can_probe(hf_dir: Path) -> None:
     assert reader.set_up_storage_reader == inner.set_up_storage_reader
     assert reader.thread_count == 1  # anything else is the inner reader's
     assert not PrefetchReader.validate_checkpoint_id(str(hf_dir))
+
+
+def test_a_reader_patched_on_the_instance_keeps_its_own_reads(hf_dir: Path, daemon: str) -> None:
+    inner = HuggingFaceStorageReader(str(hf_dir))
+    calls: list[str] = []
+
+    def own(f: Any, req: Any, planner: Any) -> None:
+        calls.append(req.storage_index.fqn)
+        HuggingFaceStorageReader._process_read_request(inner, f, req, planner)
+
+    inner._process_read_request = own  # type: ignore[method-assign]
+    reader = PrefetchReader(inner, client=Client(daemon))
+    state = _zeros()
+    dcp_load(state, storage_reader=reader, no_dist=True)
+    assert _equal(state)
+    assert sorted(calls) == sorted(_originals())  # the user's patch did every read
+    assert vars(inner)["_process_read_request"] is own  # and is still there
+    assert reader.loads == []  # its reads are its own: not prefetched
+
+
+def test_a_load_nested_in_a_load_of_the_same_reader(hf_dir: Path, daemon: str) -> None:
+    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=Client(daemon))
+    nested: dict[str, Any] = {"layer0.weight": torch.zeros(64, 96)}
+
+    class Nested(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+            super().commit_tensor(read_item, tensor)
+            if not nested.get("done"):
+                nested["done"] = True
+                dcp_load({"layer0.weight": nested["layer0.weight"]}, storage_reader=reader)
+
+    state = _zeros()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_load(state, storage_reader=reader, planner=Nested(), no_dist=True)
+    assert _equal(state)
+    assert torch.equal(nested["layer0.weight"], _originals()["layer0.weight"])
+    assert len(reader.loads) == 1  # the outer load; the inner one read unwaited
+    assert reader.loads[0].ticket.progress.ready == 6
+    assert "_process_read_request" not in vars(reader.reader)

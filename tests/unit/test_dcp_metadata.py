@@ -74,3 +74,82 @@ def test_what_is_not_metadata_is_refused(tmp_path: Path, content: bytes) -> None
     path.write_bytes(content)
     with pytest.raises(MetadataFormatError, match="not"):
         load_metadata(path)
+
+
+def test_state_is_never_set_on_a_class(tmp_path: Path) -> None:
+    """pickle's BUILD on a class it named would rebind that class for the whole process."""
+    import pathlib
+
+    good = pickle.dumps(torch.Size([1]), protocol=2)
+    attr = b"exists"
+    rebind = (
+        b"cpathlib\nPosixPath\n"  # GLOBAL PosixPath
+        + b"N}X"
+        + len(attr).to_bytes(4, "little")
+        + attr
+        + b"ctorch\nSize\ns"  # None, {"exists": torch.Size}
+        + b"\x86b0"  # TUPLE2, BUILD, POP
+    )
+    path = tmp_path / ".metadata"
+    path.write_bytes(good[:2] + rebind + good[2:])
+    with pytest.raises(MetadataFormatError, match="sets state on type"):
+        load_metadata(path)
+    assert pathlib.Path("/nonexistent").exists() is False
+
+
+def test_entries_shared_through_the_memo_are_refused(tmp_path: Path) -> None:
+    """A few KiB standing for millions of chunks (one entry under many keys)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([1]), [chunk])
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata({f"t{i}": entry for i in range(1000)}, storage_data={})))
+    with pytest.raises(MetadataFormatError, match="shares its entry"):
+        load_metadata(path)
+
+
+def _plan(directory: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "spanwarm", "plan", str(directory)]
+    return subprocess.run(
+        [*command, "--world", "1", "--local-world", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_plan_refuses_data_files_outside_the_checkpoint(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    directory = _saved(tmp_path)
+    metadata = load_metadata(directory / ".metadata")
+    for relative, why in (("/etc/shadow", "is not relative"), ("../../outside", "is outside")):
+        metadata.storage_data = {
+            index: _StorageInfo(relative, 0, 1) for index in metadata.storage_data
+        }
+        (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+        plan = _plan(directory)
+        assert plan.returncode == 1, plan.stderr
+        assert why in plan.stderr
+        assert "shadow" not in plan.stdout
+
+
+def test_plan_never_opens_a_fifo_named_like_a_shard(tmp_path: Path) -> None:
+    """torch's reader would block forever opening it; spanwarm checks every file first."""
+    import os
+
+    from safetensors.torch import save_file
+
+    info = '{"w": {"saved_offsets": [0, 0]}}'
+    name = "shard-00001-model-00001-of-00001.safetensors"
+    save_file({"w": torch.ones(2, 2)}, str(tmp_path / name), {"DCP_SHARDING_INFO": info})
+    os.mkfifo(tmp_path / "zz.safetensors")
+    plan = _plan(tmp_path)
+    assert plan.returncode == 1, plan.stderr
+    assert "zz.safetensors: is not a regular file" in plan.stderr

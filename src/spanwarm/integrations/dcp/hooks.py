@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from spanwarm.client.client import Client
-from spanwarm.integrations.dcp.reader import PrefetchReader
+from spanwarm.integrations.dcp.reader import KEEP, PrefetchReader
 
 __all__ = ["Prefetch", "disable", "enable", "prefetch", "scoped"]
 
@@ -28,13 +28,15 @@ logger = logging.getLogger("spanwarm.dcp")
 
 
 class Prefetch:
-    """An installed session: ``readers`` lists the readers of the loads it wrapped."""
+    """An installed session: ``readers`` lists the readers of the last ``KEEP`` loads it
+    wrapped."""
 
     def __init__(self, client: Client | None, job: str | None, wait_timeout: float | None) -> None:
         self.client = client or Client()
         self.job = job
         self.wait_timeout = wait_timeout
         self.readers: list[PrefetchReader] = []
+        self._lock = threading.Lock()
 
     def wrap(self, reader: Any) -> Any:
         if isinstance(reader, PrefetchReader):
@@ -42,7 +44,8 @@ class Prefetch:
         wrapped = PrefetchReader(
             reader, client=self.client, job=self.job, wait_timeout=self.wait_timeout
         )
-        self.readers.append(wrapped)
+        with self._lock:
+            self.readers = [*self.readers[-(KEEP - 1) :], wrapped]
         return wrapped
 
 
@@ -121,7 +124,8 @@ def prefetch(
     client: Client | None = None, *, job: str | None = None, wait_timeout: float | None = 300.0
 ) -> Iterator[Prefetch]:
     """:func:`enable` for the ``with`` block only."""
-    installed_before = _installed is not None
+    with _lock:
+        installed_before = _installed is not None
     session = enable(client, job=job, wait_timeout=wait_timeout)
     try:
         yield session

@@ -37,6 +37,10 @@ __all__ = ["DcpLoad", "PrefetchReader"]
 
 logger = logging.getLogger("spanwarm.dcp")
 
+KEEP = 16
+"""Records kept per reader and per session: enough to inspect recent loads, bounded for a
+process that loads for days."""
+
 
 @dataclass
 class DcpLoad(GatedReads):
@@ -70,7 +74,7 @@ class PrefetchReader(StorageReader):
         self.job = job
         self.wait_timeout = wait_timeout
         self.loads: list[DcpLoad] = []
-        """Each ``read_data`` that was prefetched: its spans, ticket and waits."""
+        """The last ``KEEP`` prefetched ``read_data``: their spans, tickets and waits."""
         # dcp.load probes these two signatures for ``**kwargs`` (rank-local metadata,
         # collectives off): they must be the wrapped reader's own.
         self.read_metadata = reader.read_metadata  # type: ignore[method-assign]
@@ -142,7 +146,7 @@ class PrefetchReader(StorageReader):
             logger.warning("spanwarm: cannot plan this load (%s); loading without prefetch", exc)
             return None
         load = DcpLoad(reads.spans, ticket, self.wait_timeout, kind=reads.kind)
-        self.loads.append(load)
+        self.loads = [*self.loads[-(KEEP - 1) :], load]
         return load
 
 
@@ -172,7 +176,10 @@ class _CommitReports:
 @contextmanager
 def _gated(reader: Any, load: DcpLoad, plan: Any, planner: Any) -> Iterator[Any]:
     """Gate ``reader``'s per-item reads on readiness while the block runs (instance
-    attributes, removed after); yields the planner to hand to its ``read_data``."""
+    attributes, removed after); yields the planner to hand to its ``read_data``. A load
+    of the same reader started meanwhile (another thread, a nested load) sees the gate and
+    is not prefetched (:func:`.reads.reader_kind`); its reads pass the gate unwaited,
+    since they name no item of this request."""
     cls = type(reader)
     if load.kind == "native":
         # _slice_file gets the chunk's _StorageInfo; every item of a chunk shares it.
@@ -191,7 +198,7 @@ def _gated(reader: Any, load: DcpLoad, plan: Any, planner: Any) -> Iterator[Any]
         try:
             yield _CommitReports(planner, lambda i: load.after_read(chunk_name(i.storage_index)))
         finally:
-            del reader._slice_file
+            vars(reader).pop("_slice_file", None)
         return
 
     def process(file: Any, item: Any, planner: Any) -> None:
@@ -206,4 +213,4 @@ def _gated(reader: Any, load: DcpLoad, plan: Any, planner: Any) -> Iterator[Any]
     try:
         yield planner
     finally:
-        del reader._process_read_request
+        vars(reader).pop("_process_read_request", None)

@@ -54,7 +54,8 @@ def item_name(item: Any) -> str:
 
 def reader_kind(reader: Any) -> str | None:
     """``"native"``, ``"safetensors"`` or ``"quantized"``; None for a reader whose reads
-    are not known here (its class overrides how it reads, or its files are not local)."""
+    are not known here (its class or the instance overrides how it reads, or its files are
+    not local)."""
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
     from torch.distributed.checkpoint.quantized_hf_storage import (
@@ -64,6 +65,8 @@ def reader_kind(reader: Any) -> str | None:
     cls = type(reader)
     if not isinstance(getattr(reader, "fs", None), FileSystem):
         return None  # fsspec and friends: the daemon warms local files only
+    if {"read_data", "_process_read_request", "_slice_file"} & vars(reader).keys():
+        return None  # this instance reads its own way (or a load of it is being gated)
     if isinstance(reader, QuantizedHuggingFaceStorageReader):
         same = (
             cls.read_data is HuggingFaceStorageReader.read_data
@@ -146,8 +149,24 @@ def _headers(paths: Sequence[str]) -> dict[str, Header | CheckpointError]:
         return dict(zip(paths, pool.map(read, paths), strict=True))
 
 
-def _tensor(header: Header, name: str) -> TensorInfo | None:
-    return next((t for t in header.tensors if t.name == name), None)
+class _Files:
+    """Validated headers of the files a plan reads, and their tensors by name (a file may
+    hold a chunk of every tensor of a model: one dict, not a scan per item)."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.headers: dict[str, Header | CheckpointError] = _headers(paths)
+        self._by_name: dict[str, dict[str, TensorInfo]] = {}
+
+    def tensor(self, path: str, name: str) -> tuple[Header, TensorInfo] | None:
+        if path not in self.headers:
+            self.headers.update(_headers([path]))
+        header = self.headers[path]
+        if isinstance(header, CheckpointError):
+            return None
+        if path not in self._by_name:
+            self._by_name[path] = {t.name: t for t in header.tensors}
+        tensor = self._by_name[path].get(name)
+        return None if tensor is None else (header, tensor)
 
 
 def _box_spans(
@@ -166,7 +185,7 @@ def _box_spans(
     ]
 
 
-def _scale_spans(reader: Any, group: str, fqn: str, path: str, headers: Any) -> list[TensorSpans]:
+def _scale_spans(reader: Any, group: str, fqn: str, path: str, files: _Files) -> list[TensorSpans]:
     """The whole scale tensor the quantized reader reads with weight ``fqn``."""
     scale = reader._weight_scale_mapping[fqn]
     scale_file = reader._weight_map.get(scale)
@@ -174,25 +193,21 @@ def _scale_spans(reader: Any, group: str, fqn: str, path: str, headers: Any) -> 
         return []
     if scale_file != reader._weight_map.get(fqn):
         path = os.path.join(os.fspath(reader.path), scale_file)
-        if path not in headers:
-            headers.update(_headers([path]))
-    header = headers[path]
-    tensor = None if isinstance(header, CheckpointError) else _tensor(header, scale)
-    return [] if tensor is None else _box_spans(group, header, tensor, None)
+    found = files.tensor(path, scale)
+    return [] if found is None else _box_spans(group, *found, None)
 
 
 def _safetensors(reader: Any, kind: str, per_file: dict[str, list[Any]]) -> PlanReads:
     out = PlanReads(kind, [])
-    headers: dict[str, Header | CheckpointError] = _headers(list(per_file))
+    files = _Files(list(per_file))
     for path, items in per_file.items():
-        header = headers[path]
         for item in items:
             fqn = item.storage_index.fqn
-            tensor = None if isinstance(header, CheckpointError) else _tensor(header, fqn)
-            if tensor is None:
+            found = files.tensor(path, fqn)
+            if found is None:
                 out.skipped += 1
                 continue
-            assert not isinstance(header, CheckpointError)
+            header, tensor = found
             group = item_name(item)
             box = [
                 (int(o), int(o) + int(n))
@@ -207,7 +222,7 @@ def _safetensors(reader: Any, kind: str, per_file: dict[str, list[Any]]) -> Plan
             try:
                 out.spans.extend(_box_spans(group, header, tensor, box))
                 if quantized:
-                    out.spans.extend(_scale_spans(reader, group, fqn, path, headers))
+                    out.spans.extend(_scale_spans(reader, group, fqn, path, files))
             except ValueError as exc:
                 logger.debug("spanwarm: %s in %s: %s", group, path, exc)
                 out.skipped += 1

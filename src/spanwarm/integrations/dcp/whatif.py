@@ -70,17 +70,44 @@ def placement_box(
 
 
 def _reader(directory: str, fmt: str) -> tuple[Any, Any]:
+    """The checkpoint's reader, set up, and its metadata, read without trusting the files:
+    ``.metadata`` through :func:`load_metadata`; every ``*.safetensors`` torch's reader
+    would open validated by spanwarm first (a FIFO, a huge or malformed header or sharding
+    info is a :class:`CheckpointError` before torch touches it)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
     if fmt == "native":  # torch would pickle.load it: never run what it names
         reader: Any = FileSystemReader(directory)
         metadata = load_metadata(os.path.join(directory, ".metadata"))
+        _check_inside(directory, metadata)
     else:
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".safetensors"):
+                read_header(os.path.join(directory, name))
         reader = HuggingFaceStorageReader(directory)
-        metadata = reader.read_metadata()
+        try:
+            metadata = reader.read_metadata()
+        except Exception as exc:  # what torch makes of headers spanwarm accepted
+            raise MetadataFormatError(directory, f"torch cannot read its metadata: {exc}") from exc
     reader.set_up_storage_reader(metadata, True)
     return reader, metadata
+
+
+def _check_inside(directory: str, metadata: Any) -> None:
+    """Every data file the metadata names is a relative path inside ``directory``."""
+    root = os.path.realpath(directory)
+    for info in metadata.storage_data.values():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or os.path.isabs(relative):
+            raise MetadataFormatError(
+                os.path.join(directory, ".metadata"), f"data file {relative!r} is not relative"
+            )
+        real = os.path.realpath(os.path.join(directory, relative))
+        if os.path.commonpath([real, root]) != root:
+            raise MetadataFormatError(
+                os.path.join(directory, ".metadata"), f"data file {relative!r} is outside {root}"
+            )
 
 
 def _read_items(metadata: Any, boxes: dict[str, Box | None], whole_bytes: bool) -> list[Any]:

@@ -10,12 +10,19 @@ after another on a freshly evicted page cache, interleaved per repetition:
 
 - (a) ``none``: no prefetch;
 - (b) ``whole``: the seed's base PR, ``files[local_rank::local_world]`` read fully, then load;
-- (c) ``spanwarm``: the daemon warms the node's spans; ranks wait per tensor.
+- (c) ``spanwarm``: the daemon warms the node's spans; ranks wait per tensor;
+- (d) ``limit``: what the storage allows for exactly the bytes spanwarm reads: the node
+  plan's runs (the local ranks' spans through the cost model at the daemon's default seek
+  cost) read by the best raw reader of the same mount, with no daemon and no loader: as
+  many streams as the daemon has workers, a fresh descriptor per operation, operations of
+  the daemon's chunk size.
 
-Reported per arm: wall time until both local ranks have loaded, time to each rank's
-first tensor, bytes read from storage (the emulated mount's counter; on ``local`` the
-block device's read counter, which anything else reading meanwhile adds to), and peak
-page cache used by the checkpoint (sampled with mincore).
+Reported per arm: wall time until both local ranks have loaded (for ``limit``: until the
+last run is read), time to each rank's first tensor, bytes read from storage (the emulated
+mount's counter; on ``local`` the block device's read counter, which anything else reading
+meanwhile adds to), and peak page cache used by the checkpoint (sampled with mincore); for
+``spanwarm`` also its warm phase (request to the last requested tensor ready, slowest
+rank). ``--json PATH`` writes each mount and layout's median walls and paired ratios.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +48,20 @@ import numpy as np
 
 from spanwarm.client import Client
 from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
+from spanwarm.planner import plan_node_spans
 from spanwarm.residency import evict, file_residency
+from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.sample_checkpoint import write_sharded_checkpoint
+from spanwarm.tensor_layout import TensorSpans
 from spanwarm.units import format_bytes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE, VOCAB = 2048, 8, 32, 768, 32000
 WORLD, LOCAL_WORLD = 8, 2
-ARMS = ("none", "whole", "spanwarm")
+ARMS = ("none", "whole", "spanwarm", "limit")
+WORKERS, CHUNK = 8, 8 * 2**20  # the daemon's defaults: operations in flight, their size
 
 
 def build_checkpoint(directory: Path, layout: str) -> list[Path]:
@@ -230,6 +244,75 @@ def run_local_ranks(
     }
 
 
+def node_runs(checkpoint: Path) -> list[tuple[str, int, int]]:
+    """The node plan's runs, (path, start, stop): the local ranks' spans, computed by
+    e2e_rank.py as the spanwarm arm requests them, through the cost model."""
+    spans = []
+    for rank in range(LOCAL_WORLD):
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "e2e_rank.py"),
+                str(checkpoint),
+                *("--arm", "spans", "--rank", str(rank), "--local-rank", str(rank)),
+                *("--local-world", str(LOCAL_WORLD), "--world", str(WORLD)),
+                *("--barrier", "-", "--experts", str(EXPERTS)),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        ).stdout
+        spans += [TensorSpans("", *row) for row in json.loads(out.splitlines()[-1])]
+    plan = plan_node_spans(
+        open_checkpoint(checkpoint), spans, node=0, ranks=list(range(LOCAL_WORLD))
+    )
+    return [(f.path, a, b) for f in plan.files for a, b in f.runs.pairs()]
+
+
+def read_runs(runs: list[tuple[str, int, int]]) -> None:
+    """Read ``runs`` like the daemon: WORKERS streams, a fresh descriptor per operation of
+    at most CHUNK bytes (cut at CHUNK boundaries), FADV_RANDOM, the read method."""
+    engine = WarmEngine(WarmMethod.READ, chunk_bytes=CHUNK)
+    operations = [
+        (path, start, min(b, (start // CHUNK + 1) * CHUNK))
+        for path, a, b in runs
+        for start in [a, *range((a // CHUNK + 1) * CHUNK, b, CHUNK)]
+    ]
+
+    def operation(op: tuple[str, int, int]) -> None:
+        fd = os.open(op[0], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            engine.warm(fd, [(op[1], op[2])])
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(operation, operations))
+
+
+def run_limit(runs: list[tuple[str, int, int]], paths: list[Path], fs: Any) -> dict[str, Any]:
+    for path in paths:
+        evict(path)
+    before = storage_bytes(paths, fs)
+    with CacheSampler(paths, None) as sampler:
+        start = time.monotonic()
+        read_runs(runs)
+        wall = time.monotonic() - start
+    return {
+        "arm": "limit",
+        "wall_s": wall,
+        "storage_bytes": storage_bytes(paths, fs) - before,
+        "peak_cache_bytes": sampler.peak,
+        "planned_bytes": sum(b - a for _, a, b in runs),
+        "first_s": [wall] * LOCAL_WORLD,
+        "request_s": [0.0] * LOCAL_WORLD,
+        "warm_s": wall,
+        "loaded_bytes": 0,
+    }
+
+
 def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
     run = run_local_ranks(
         "e2e_rank.py",
@@ -243,11 +326,38 @@ def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any)
         extra=("--experts", str(EXPERTS)),
     )
     results = run.pop("results")
+    warm = [r["warm_s"] for r in results if r.get("warm_s") is not None]
     return {
         **run,
         "first_s": [r["first_s"] for r in results],
         "request_s": [r["request_s"] for r in results],
+        "warm_s": max(warm) if warm else None,
         "loaded_bytes": sum(r["bytes"] for r in results),
+    }
+
+
+def paired(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median walls per arm and the paired median ratios (runs of one repetition)."""
+    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
+    reps = len(by_arm["spanwarm"])
+
+    def ratio(a: str, b: str, key: str = "wall_s", key_b: str = "wall_s") -> float:
+        return float(
+            statistics.median(by_arm[a][i][key] / by_arm[b][i][key_b] for i in range(reps))
+        )
+
+    return {
+        "arms": {
+            arm: {"wall_s": statistics.median(r["wall_s"] for r in rs)}
+            for arm, rs in by_arm.items()
+        },
+        "paired": {
+            "none/spanwarm": ratio("none", "spanwarm"),
+            "whole/spanwarm": ratio("whole", "spanwarm"),
+            "spanwarm/limit": ratio("spanwarm", "limit"),
+            "spanwarm_warm_phase/limit": ratio("spanwarm", "limit", "warm_s"),
+        },
+        "spanwarm_warm_phase_s": statistics.median(r["warm_s"] for r in by_arm["spanwarm"]),
     }
 
 
@@ -262,18 +372,21 @@ def summarize(label: str, runs: list[dict[str, Any]]) -> list[str]:
     for arm, rs in by_arm.items():
         walls = [r["wall_s"] for r in rs]
         firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(LOCAL_WORLD)]
+        first = "" if arm == "limit" else " / ".join(f"{f * 1000:.0f} ms" for f in firsts)
         lines.append(
             f"| {arm} | {statistics.median(walls):.2f} s ({min(walls):.2f}-{max(walls):.2f}) | "
-            + " / ".join(f"{f * 1000:.0f} ms" for f in firsts)
+            + first
             + f" | {format_bytes(int(statistics.median(r['storage_bytes'] for r in rs)))} | "
             f"{format_bytes(int(statistics.median(r['peak_cache_bytes'] for r in rs)))} |"
         )
-    reps = len(by_arm["spanwarm"])
-    vs_whole = [by_arm["whole"][i]["wall_s"] / by_arm["spanwarm"][i]["wall_s"] for i in range(reps)]
-    vs_none = [by_arm["none"][i]["wall_s"] / by_arm["spanwarm"][i]["wall_s"] for i in range(reps)]
+    figures = paired(runs)
+    ratios = figures["paired"]
     lines.append(
-        f"\nPaired ratios (same repetition), median: (b)/(c) = {statistics.median(vs_whole):.2f}x, "
-        f"(a)/(c) = {statistics.median(vs_none):.2f}x."
+        f"\nPaired ratios (same repetition), median: (b)/(c) = {ratios['whole/spanwarm']:.2f}x, "
+        f"(a)/(c) = {ratios['none/spanwarm']:.2f}x; against the limit (d): spanwarm end to "
+        f"end {ratios['spanwarm/limit']:.2f}x, its warm phase "
+        f"({figures['spanwarm_warm_phase_s']:.2f} s, request to the last tensor ready) "
+        f"{ratios['spanwarm_warm_phase/limit']:.2f}x."
     )
     read = statistics.median(r["storage_bytes"] for r in by_arm["spanwarm"])
     planned = statistics.median(r["planned_bytes"] for r in by_arm["spanwarm"])
@@ -299,12 +412,16 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument(
+        "--json", type=Path, help="write each mount and layout's medians and paired ratios"
+    )
+    parser.add_argument(
         "--daemon-args", default="", help="extra `spanwarm serve` flags, e.g. '--method read'"
     )
     args = parser.parse_args()
     command = "python bench/bench_end_to_end.py " + " ".join(sys.argv[1:])
     lines = [f"\n## End to end: the seed's scenario\n\n```console\n{command}\n```"]
     rng = random.Random(0)
+    figures: list[dict[str, Any]] = []
     for layout in args.layouts.split(","):
         source = args.data / f"moe-{layout}"
         paths = build_checkpoint(source, layout)
@@ -316,10 +433,14 @@ def main() -> None:
                 spawn_daemon("--log-level", "warning", *args.daemon_args.split()) as daemon,
             ):
                 mounted_paths = sorted(checkpoint.glob("*.safetensors"))
+                limit_runs = node_runs(checkpoint)
                 runs = []
                 for rep in range(args.reps):
                     for arm in rng.sample(ARMS, len(ARMS)):
-                        result = run_arm(arm, checkpoint, mounted_paths, daemon.socket, fs)
+                        if arm == "limit":
+                            result = run_limit(limit_runs, mounted_paths, fs)
+                        else:
+                            result = run_arm(arm, checkpoint, mounted_paths, daemon.socket, fs)
                         runs.append(result)
                         print(
                             f"  {preset} rep {rep} {arm}: {result['wall_s']:.2f} s, "
@@ -331,10 +452,13 @@ def main() -> None:
                 f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}`"
             )
             lines += summarize(label, runs)
+            figures.append({"mount": preset, "layout": layout, **paired(runs)})
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:
         args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"runs": figures}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

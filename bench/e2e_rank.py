@@ -10,10 +10,12 @@ its own slices through safetensors, tensor by tensor:
 - ``none``: straight from the checkpoint, cold;
 - ``whole``: the seed's base PR: first read ``files[local_rank::local_world]`` whole (4
   threads, 16 MiB reads), then load;
-- ``spanwarm``: request the rank's spans from the daemon, wait per tensor, load.
+- ``spanwarm``: request the rank's spans from the daemon, wait per tensor, load;
+- ``spans``: print the spans ``spanwarm`` would request, as JSON, and exit (no load).
 
 Prints one JSON line: start time (monotonic clock, comparable across processes),
-time to the first tensor, time to the last, bytes of slices loaded.
+time to the first tensor, time to the last, bytes of slices loaded, and under
+``spanwarm`` the warm phase (start to the last requested tensor ready).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +40,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from spanwarm import placements as model
-from spanwarm.client import Client
+from spanwarm.client import Client, Ticket, rank_spans
 from spanwarm.client.rank_spans import model_placements
 from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 
@@ -105,7 +108,7 @@ def rank_arguments() -> argparse.ArgumentParser:
     """The arguments bench_end_to_end.run_local_ranks gives every rank process."""
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--arm", choices=("none", "whole", "spanwarm"), required=True)
+    parser.add_argument("--arm", choices=("none", "whole", "spanwarm", "spans"), required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--local-rank", type=int, required=True)
     parser.add_argument("--local-world", type=int, required=True)
@@ -125,6 +128,12 @@ def main() -> None:
     experts = init_device_mesh("cpu", (args.world,))
     checkpoint = open_checkpoint(args.checkpoint)
     state = build_state_dict(checkpoint, dense, experts, args.experts)
+    state_dict = {name: value for name, (value, _, _) in state.items()}
+    if args.arm == "spans":  # for the limit arm: what this rank would request, and stop
+        spans = rank_spans(state_dict, checkpoint, unmatched="skip")
+        print(json.dumps([[s.path, s.offset, s.length, s.stride, s.count] for s in spans]))
+        dist.destroy_process_group()
+        return
 
     start = start_together(args.barrier, args.local_rank, args.local_world)
 
@@ -135,9 +144,17 @@ def main() -> None:
         read_whole(checkpoint.paths[args.local_rank :: args.local_world])
     elif args.arm == "spanwarm":
         client = Client(args.socket)
-        state_dict = {name: value for name, (value, _, _) in state.items()}
         ticket = client.request_spans(state_dict, args.checkpoint, job="bench", unmatched="skip")
     requested = time.monotonic() - start
+    warm: list[float] = []  # the warm phase: request to the last of its tensors ready
+    if ticket is not None:
+
+        def watch(ticket: Ticket) -> None:
+            ticket.wait()
+            warm.append(time.monotonic() - start)
+
+        watcher = threading.Thread(target=watch, args=(ticket,), daemon=True)
+        watcher.start()
 
     handles = {}
     first = None
@@ -165,6 +182,8 @@ def main() -> None:
         if first is None:
             first = time.monotonic() - start
     total = time.monotonic() - start
+    if ticket is not None:
+        watcher.join()
     if client is not None:
         client.close()
     print(
@@ -177,6 +196,7 @@ def main() -> None:
                 "bytes": loaded,
                 "released": 0 if ticket is None else len(ticket.failures),
                 "request_s": requested,
+                "warm_s": warm[0] if warm else None,
                 "pid": os.getpid(),
             }
         )

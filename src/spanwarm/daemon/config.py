@@ -202,6 +202,13 @@ class DaemonConfig:
         help="keep warmed spans mapped until their tensors are read (bounded by the budget), "
         "so reclaim cannot take them in between",
     )
+    evict_after_read: bool = _setting(
+        False,
+        flag="--evict-after-read",
+        kind="bool",
+        help="drop a cell's warmed bytes from the page cache once every rank that needs them "
+        "has reported them read (memory back after a load; a later load reads them again)",
+    )
     cgroup_root: str = _setting(
         "/sys/fs/cgroup",
         flag="--cgroup-root",

@@ -39,6 +39,11 @@ class Metrics:
             "Planned bytes found already resident and not read again",
             registry=r,
         )
+        self.evicted = Counter(
+            "spanwarm_evicted_bytes",
+            "Warmed bytes dropped from the page cache once read (--evict-after-read)",
+            registry=r,
+        )
         self.errors = Counter(
             "spanwarm_errors",
             "Refused requests and failed groups, by gRPC code",

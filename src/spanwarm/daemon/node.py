@@ -95,6 +95,7 @@ class Cell:
     in_flight: bool = False
     waiters: list[Request] = field(default_factory=list)
     bad: tuple[tuple[int, int, float], ...] = ()  # failed reads: (start, stop, when)
+    read: bool = False  # a rank reported all its bytes here read (--evict-after-read)
 
     def wait(self, request: Request) -> None:
         if request not in self.waiters:
@@ -340,7 +341,49 @@ class Node:
         for key in request.consume(groups):
             self._unhold(key, request)
             self._release_if_free(key)
+            cell = self._cells.get(key)
+            if cell is not None:
+                cell.read = True
+            self._evict_if_done(key)
             self._wake.set()  # even if another rank still holds the cell: this one may go on
+
+    def _evict_if_done(self, key: CellKey) -> None:
+        """--evict-after-read: drop a cell's warmed bytes once a rank has read its part and
+        no live request still needs any of them (nothing unread there, no waiter, no read in
+        flight). Readiness needs warm operations completed after a request arrived, so a
+        later request warms the bytes again: nothing is ever reported ready from a record
+        of bytes that were dropped."""
+        cell = self._cells.get(key)
+        if not self.config.evict_after_read or cell is None or not cell.read:
+            return
+        if cell.in_flight or cell.waiters or self._holders.get(key):
+            return
+        file = key[0]
+        if any(r.unread_in(key) for r in self._users.get(file, ())):
+            return
+        ranges = _union((a, b) for a, b, _ in cell.warm)
+        cell.read = False
+        if not ranges:
+            return
+        try:
+            fd = os.dup(file.fd)  # the file may be closed before the pool gets to it
+        except OSError:
+            return
+        try:
+            self._close_pool.submit(self._drop, fd, ranges)
+        except RuntimeError:  # shutting down
+            os.close(fd)
+
+    def _drop(self, fd: int, ranges: list[Range]) -> None:
+        """In the close pool: POSIX_FADV_DONTNEED (clean pages only; no I/O)."""
+        try:
+            for start, stop in ranges:
+                os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_DONTNEED)
+            self.metrics.add(self.metrics.evicted, sum(b - a for a, b in ranges))
+        except OSError as exc:
+            logger.debug("evict-after-read: %s", exc)
+        finally:
+            os.close(fd)
 
     def _hold(self, key: CellKey, request: Request) -> None:
         self._holders.setdefault(key, {})[request] = time.monotonic()
@@ -470,6 +513,8 @@ class Node:
                 self._planned_total = None
                 self._background.pop(file, None)
                 gone.add(file)
+        for key in request.cells:  # read by others while this one still needed them
+            self._evict_if_done(key)
         if gone:  # one pass over the cells, whatever the number of files
             for key in [k for k, c in self._cells.items() if k[0] in gone and not c.in_flight]:
                 del self._cells[key]

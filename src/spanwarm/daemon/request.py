@@ -200,6 +200,11 @@ class Request:
         touched = np.unique(rows)
         return [self.cells[int(row)] for row in touched[self._unread[touched] == 0]]
 
+    def unread_in(self, key: CellKey) -> bool:
+        """Whether some group of this request with bytes in the cell is not reported read."""
+        row = self._row.get(key)
+        return row is not None and bool(self._unread[row] > 0)
+
     def groups_touching(self, file: OpenFile, start: int, stop: int) -> npt.NDArray[np.int64]:
         """The groups with a byte in ``[start, stop)`` of ``file`` (exact, row by row)."""
         t = self.files[file]

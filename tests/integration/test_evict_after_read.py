@@ -1,0 +1,70 @@
+"""--evict-after-read: memory back after a load, never from under a rank that needs it.
+
+A real daemon, real files; residency measured with mincore right after each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spanwarm.client import Client
+from tests.daemon_harness import cold_file, running_daemon
+from tests.integration.test_daemon import MiB, resident, span, wait_for
+
+FLAGS = ("--method", "read", "--seek-cost", "0", "--chunk-size", "4MiB")
+
+
+def test_bytes_a_rank_read_leave_the_page_cache(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 24 * MiB)
+    with running_daemon(*FLAGS, "--evict-after-read") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 8 * MiB), span("b", path, 8 * MiB, 8 * MiB)])
+        assert ticket.wait(timeout=30)
+        assert resident(path, 0, 16 * MiB) >= 16 * MiB * 0.99  # warm until read
+        ticket.consumed(["a"])
+        wait_for(lambda: resident(path, 0, 8 * MiB) == 0)
+        assert resident(path, 8 * MiB, 8 * MiB) >= 8 * MiB * 0.99  # "b" is not read yet
+        ticket.consumed(["b"])
+        wait_for(lambda: resident(path, 0, 16 * MiB) == 0)
+        client.close()
+
+
+def test_a_cell_another_rank_still_needs_stays(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 16 * MiB)
+    with running_daemon(*FLAGS, "--evict-after-read") as daemon:
+        a, b = Client(daemon.socket), Client(daemon.socket)
+        first = a.request([span("x", path, 0, 4 * MiB)], rank=0)
+        second = b.request([span("x", path, 0, 4 * MiB)], rank=1)
+        assert first.wait(timeout=30)
+        assert second.wait(timeout=30)
+        first.consumed(["x"])
+        assert not _drops_within(path, 0, 4 * MiB, 1.0)  # rank 1 has not read it
+        second.consumed(["x"])
+        wait_for(lambda: resident(path, 0, 4 * MiB) == 0)
+        # A later request warms the bytes again: ready means warm, whatever was dropped.
+        third = a.request([span("x", path, 0, 4 * MiB)], rank=2)
+        assert third.wait(timeout=30)
+        assert third.progress.ready == 1
+        assert resident(path, 0, 4 * MiB) >= 4 * MiB * 0.99
+        a.close()
+        b.close()
+
+
+def test_without_the_flag_read_bytes_stay_warm(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 8 * MiB)
+    with running_daemon(*FLAGS) as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 8 * MiB)])
+        assert ticket.wait(timeout=30)
+        ticket.consumed(["a"])
+        assert not _drops_within(path, 0, 8 * MiB, 1.0)
+        client.close()
+
+
+def _drops_within(path: Path, offset: int, length: int, seconds: float) -> bool:
+    """Whether residency of the range falls below 99% within ``seconds``."""
+    try:
+        wait_for(lambda: resident(path, offset, length) < length * 0.99, timeout=seconds)
+    except AssertionError:
+        return False
+    return True

@@ -161,7 +161,7 @@ def main() -> None:
     loaded = 0
     for name, (value, placements, mesh) in state.items():
         if ticket is not None:
-            ticket.wait([name])
+            ticket.wait_for_read(name)  # as spanwarm's loader integrations wait
         header, info = checkpoint.pieces[name][0]
         if header.path not in handles:
             handles[header.path] = safe_open(header.path, framework="pt")

@@ -44,6 +44,7 @@ logger = logging.getLogger("spanwarm.client")
 
 _PENDING, _READY, _FAILED, _RELEASED = 0, 1, 2, 3
 _MAX_MESSAGE = 128 * 2**20
+_PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
 # SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
 _CHANNEL_OPTIONS = [
@@ -95,6 +96,8 @@ class Ticket:
         self._progress_at = time.monotonic()  # the last event that showed progress
         self._stalled = False  # released by the watchdog
         self._bytes_done = -1  # the node's counter in the last heartbeat
+        self._spans: tuple[Any, Any, Any] | None = None  # (file, group, bytes) per span
+        self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -114,6 +117,34 @@ class Ticket:
                     return False
                 self._cond.wait(left)
         return True
+
+    def wait_for_read(self, name: str, timeout: float | None = None) -> str:
+        """Wait before reading tensor ``name``, but no longer than reading it cold here would
+        take: ``"ready"`` (warm, or released: read it now), ``"read"`` (not warm yet, and
+        the rank would read it itself sooner: go ahead, the page cache shares whatever the
+        daemon reads meanwhile) or ``"timeout"`` (not warm within ``timeout``).
+
+        How long a cold read takes comes from the plan: the daemon's learned throughput of
+        one stream on each file's device, for this tensor's bytes, and at least one read
+        of the daemon's piece size. Until the daemon has learned it, ranks wait as
+        :meth:`wait` does. On fast local storage ranks thus never queue behind the daemon;
+        on a slow mount, where the daemon's many reads in flight beat one stream, they wait.
+        """
+        i = self._index.get(name)
+        if i is None:
+            return "ready"
+        start = time.monotonic()
+        limit = np.inf if timeout is None else start + timeout
+        with self._cond:
+            while self._state[i] == _PENDING:
+                # Re-read each time: the plan (and with it this estimate) may arrive later.
+                yours = start + float(self._read_yourself_s[i])
+                now = time.monotonic()
+                if now >= min(yours, limit):
+                    return "read" if yours <= limit else "timeout"
+                until = min(yours, limit)
+                self._cond.wait(None if until == np.inf else until - now)
+        return "ready"
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, released, or not part of the request."""
@@ -158,6 +189,31 @@ class Ticket:
         return self._release()
 
     # -- updated by the stream thread --------------------------------------------------
+
+    def _learn_read_times(self, files: list[Any], sent: list[str]) -> None:
+        """From the plan: per tensor, how long one stream of cold reads would take for its
+        bytes on their devices, and at least one read of the daemon's piece size there
+        (infinite where the daemon has not learned a device yet)."""
+        if self._spans is None:
+            return
+        file_index, group_index, nbytes = self._spans
+        positions = {path: i for i, path in enumerate(sent)}
+        rate = np.zeros(len(sent))
+        for j, plan in enumerate(files):  # in request order, unless a file had no plan
+            i = j if len(files) == len(sent) else positions.get(plan.path)
+            if i is not None:
+                rate[i] = float(plan.stream_bytes_per_s)
+        span_rate = rate[file_index]
+        known = span_rate > 0
+        per_span = np.full(len(nbytes), np.inf)
+        np.divide(nbytes, span_rate, out=per_span, where=known)
+        one_piece = np.full(len(nbytes), np.inf)
+        np.divide(_PIECE_BYTES, span_rate, out=one_piece, where=known)
+        seconds = np.bincount(group_index, weights=per_span, minlength=len(self._names))
+        np.maximum.at(seconds, group_index, one_piece)
+        with self._cond:
+            self._read_yourself_s = seconds
+            self._cond.notify_all()  # waiters re-read their limit
 
     def _progressed(self) -> None:
         with self._cond:
@@ -355,6 +411,12 @@ class Client:
             request = self._prove(ticket, request)
             if request is None:
                 return
+            ticket._spans = (  # as sent: _prove renumbers the files when one would not open
+                np.asarray(request.file_index, dtype=np.int64),
+                np.asarray(request.group_index, dtype=np.int64),
+                np.asarray(request.length, dtype=np.float64)
+                * np.asarray(request.count, dtype=np.float64),
+            )
             call = self._stub().Warm(request, timeout=self.stream_timeout)
             ticket._call = call
             for event in call:
@@ -364,6 +426,7 @@ class Client:
                 elif kind == "plan":
                     ticket._progressed()
                     ticket.plan = [message_dict(f) for f in event.plan.files]
+                    ticket._learn_read_times(list(event.plan.files), list(request.files))
                     self._attach(ticket, event.plan.request_id)
                 elif kind == "ready":
                     ticket._mark(event.ready.groups, _READY)

@@ -62,6 +62,7 @@ from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Range, Request
 from spanwarm.daemon.threads import DaemonThreadPool
+from spanwarm.daemon.throughput import StreamThroughput
 from spanwarm.daemon.warm_engine import (
     BadRange,
     WarmEngine,
@@ -295,6 +296,7 @@ class Node:
         self._in_flight_bytes = 0
         self._budget_blocked = False
         self._mappings: dict[CellKey, list[tuple[int, int]]] = {}  # --hold: (address, length)
+        self.throughput = StreamThroughput()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -575,10 +577,14 @@ class Node:
                     waiter.set_result(None)
             self._wake.set()
 
-    def plan_of(self, request: Request) -> list[FilePlan]:
-        """The node plan for the request's files, each named as its caller knows it."""
+    def plan_of(self, request: Request) -> list[tuple[FilePlan, float]]:
+        """The node plan for the request's files, each named as its caller knows it, with
+        the stream throughput learned on its device (0.0 while unknown)."""
         return [
-            dataclasses.replace(self._plans[f], path=request.name_of(f))
+            (
+                dataclasses.replace(self._plans[f], path=request.name_of(f)),
+                self.throughput.bytes_per_s(f.identity.device),
+            )
             for f in request.files
             if f in self._plans
         ]
@@ -929,12 +935,17 @@ class Node:
                 if resident == stop - start:
                     outcome.verified += resident
                     continue
+                io_before = self.engine.io_seconds()
                 try:
                     self.engine.warm(fd, [(start, stop)])
                 except FileChangedError:
                     raise
                 except OSError:
                     outcome.bad.extend(bad_pages(fd, start, stop))
+                else:
+                    if not resident:  # a cold read: what one stream gets here
+                        io = self.engine.io_seconds() - io_before
+                        self.throughput.record(file.identity.device, stop - start, io)
                 outcome.read += stop - start - resident
                 outcome.verified += resident
             if self.config.hold:

@@ -314,7 +314,7 @@ class WarmerService:
         finally:
             registration.cancel()
         plans = self.node.plan_of(live)
-        _log_decisions(live, plans, self.config.seek_cost)
+        _log_decisions(live, [p for p, _ in plans], self.config.seek_cost)
         yield warmer_pb2.WarmEvent(
             plan=_message(
                 warmer_pb2.Plan,
@@ -322,7 +322,9 @@ class WarmerService:
                     "request_id": live.id,
                     "request_bytes": live.nbytes,
                     "seek_cost_bytes": self.config.seek_cost,
-                    "files": [_file_plan(p.to_json()) for p in plans],
+                    "files": [
+                        _file_plan({**p.to_json(), "stream_bytes_per_s": rate}) for p, rate in plans
+                    ],
                 },
             )
         )

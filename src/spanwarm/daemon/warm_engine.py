@@ -161,13 +161,28 @@ class WarmEngine:
                     offset=max(start, size),
                 )
         if self.method is WarmMethod.HINT:
+            began = time.perf_counter()
+            throttled = self._throttled_s()
             self._warm_hinted(fd, self._pieces(ranges))
+            self._add_io(time.perf_counter() - began - (self._throttled_s() - throttled))
         else:
             warm_piece = self._populate if self.method is WarmMethod.POPULATE else self._read
             for off, end in self._pieces(ranges):
+                began = time.perf_counter()
                 warm_piece(fd, off, end)
+                self._add_io(time.perf_counter() - began)
                 self._done(end - off)
         return total
+
+    def io_seconds(self) -> float:
+        """Seconds this thread has spent in the storage's reads (throttle sleeps excluded)."""
+        return float(getattr(self._local, "io_s", 0.0))
+
+    def _add_io(self, seconds: float) -> None:
+        self._local.io_s = self.io_seconds() + seconds
+
+    def _throttled_s(self) -> float:
+        return float(getattr(self._local, "throttled_s", 0.0))
 
     def _pieces(self, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
         chunk = self.chunk_bytes
@@ -190,6 +205,7 @@ class WarmEngine:
                 wait = self._next_allowed - now
         if wait > 0:
             time.sleep(wait)
+            self._local.throttled_s = self._throttled_s() + wait
 
     def _populate(self, fd: int, off: int, end: int) -> None:
         # The exact-range hint first: on its own, a fault on a missing page reads a whole

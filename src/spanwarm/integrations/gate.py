@@ -31,6 +31,8 @@ class GatedReads:
     waited_s: float = field(default=0.0, kw_only=True)
     """Time the loader's reads spent waiting for readiness, summed over its threads."""
     timed_out: bool = field(default=False, kw_only=True)
+    read_yourself: int = field(default=0, kw_only=True)
+    """Tensors read before they were warm, because reading them here was sooner."""
     _read: set[str] = field(default_factory=set, kw_only=True)
     _lock: threading.Lock = field(default_factory=threading.Lock, kw_only=True)
 
@@ -39,18 +41,21 @@ class GatedReads:
         return sum(s.length * s.count for s in self.spans)
 
     def before_read(self, name: str) -> None:
-        """Wait until ``name`` is warm (the load goes on unwaited after a timeout)."""
+        """Wait until ``name`` is warm, or until reading it here would be sooner
+        (:meth:`Ticket.wait_for_read`); the load goes on unwaited after a timeout."""
         if self.timed_out:
             return
         start = time.monotonic()
         try:
-            ready = self.ticket.wait([name], timeout=self.wait_timeout)
+            outcome = self.ticket.wait_for_read(name, timeout=self.wait_timeout)
         except Exception as exc:  # never fail a read over a prefetch
-            ready = False
+            outcome = "failed"
             logger.warning("spanwarm: waiting for %s failed: %s", name, exc)
         with self._lock:
             self.waited_s += time.monotonic() - start
-            if not ready and not self.timed_out:
+            if outcome == "read":
+                self.read_yourself += 1
+            elif outcome != "ready" and not self.timed_out:
                 self.timed_out = True
                 logger.warning(
                     "spanwarm: %s not warm after %ss; reading the rest of this load unwaited",

@@ -33,7 +33,7 @@ class WarmRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., groups: _Optional[_Iterable[str]] = ..., file_index: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., group_index: _Optional[_Iterable[int]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class FilePlan(_message.Message):
-    __slots__ = ("path", "size_bytes", "needed_bytes", "num_runs", "cost_bytes", "decision", "warm_bytes", "warm_now_bytes")
+    __slots__ = ("path", "size_bytes", "needed_bytes", "num_runs", "cost_bytes", "decision", "warm_bytes", "warm_now_bytes", "stream_bytes_per_s")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class FilePlan(_message.Message):
     DECISION_FIELD_NUMBER: _ClassVar[int]
     WARM_BYTES_FIELD_NUMBER: _ClassVar[int]
     WARM_NOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     path: str
     size_bytes: int
     needed_bytes: int
@@ -50,7 +51,8 @@ class FilePlan(_message.Message):
     decision: str
     warm_bytes: int
     warm_now_bytes: int
-    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., num_runs: _Optional[int] = ..., cost_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., warm_bytes: _Optional[int] = ..., warm_now_bytes: _Optional[int] = ...) -> None: ...
+    stream_bytes_per_s: float
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., num_runs: _Optional[int] = ..., cost_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., warm_bytes: _Optional[int] = ..., warm_now_bytes: _Optional[int] = ..., stream_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("request_bytes", "seek_cost_bytes", "files", "request_id")

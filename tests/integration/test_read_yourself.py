@@ -1,0 +1,53 @@
+"""No harm on fast storage: a rank does not queue behind a daemon it would outread.
+
+The daemon learns what one stream of cold reads gets on each device from its own reads
+(the storage's time, not its throttle) and sends it with the plan; a rank waits for a
+tensor at most as long as reading it itself would take (``Ticket.wait_for_read``).
+A throttled daemon on local disk is the case where that matters: it is far slower than
+the disk it learned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spanwarm.client import Client
+from tests.daemon_harness import cold_file, running_daemon
+from tests.integration.test_daemon import MiB, span
+
+FLAGS = ("--method", "read", "--workers", "1", "--chunk-size", "4MiB", "--seek-cost", "0")
+
+
+def test_a_rank_reads_itself_what_the_daemon_would_bring_later(tmp_path: Path) -> None:
+    first = cold_file(tmp_path / "first.safetensors", 16 * MiB, seed=1)
+    second = cold_file(tmp_path / "second.safetensors", 32 * MiB, seed=2)
+    with running_daemon(*FLAGS, "--throttle", "4MiB") as daemon:
+        client = Client(daemon.socket)
+        learning = client.request([span("w", first, 0, 16 * MiB)])
+        assert learning.wait(timeout=60)
+        assert [f["stream_bytes_per_s"] for f in learning.plan] == [0.0]  # nothing known yet
+        tensors = [span("a", second, 0, 16 * MiB), span("b", second, 16 * MiB, 16 * MiB)]
+        ticket = client.request(tensors)  # waited on at once: before its plan arrives
+        outcome = ticket.wait_for_read("a", timeout=60)
+        warm_when_answered = ticket.ready("a")
+        (plan,) = ticket.plan
+        # The daemon learned the disk (its I/O time, not the 4 MiB/s throttle): reading
+        # 16 MiB here takes a fraction of the 4 s the throttled daemon needs.
+        assert plan["stream_bytes_per_s"] > 32 * MiB
+        assert outcome == "read"
+        assert not warm_when_answered  # never reported ready early: it simply was not
+        # Nothing is marked ready that is not warm: "a" becomes ready only once warmed.
+        assert ticket.wait(["a"], timeout=60)
+        assert ticket.progress.ready >= 1
+        ticket.cancel()
+        client.close()
+
+
+def test_until_a_device_is_known_ranks_wait(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "only.safetensors", 8 * MiB)
+    with running_daemon(*FLAGS, "--throttle", "16MiB") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 8 * MiB)])
+        assert ticket.wait_for_read("a", timeout=60) == "ready"
+        assert ticket.progress.ready == 1
+        client.close()

@@ -205,7 +205,7 @@ def main(out: Path, socket: str) -> None:
     dist.barrier()
     record_native_reads()
     safetensors.safe_open = RecordingFile  # type: ignore[assignment,misc]
-    client = Client(socket)
+    client = Client(socket, read_yourself=False)  # every item warmed by the daemon
     for fmt in FORMATS:
         for layout in LAYOUTS:
             state = targets(mesh4, layout, full)

@@ -36,6 +36,12 @@ from tests.daemon_harness import running_daemon  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
+def _waiting(socket: str) -> Client:
+    """A client whose ranks wait for every item: these tests check what the daemon warmed
+    (reading before warm, on fast storage, is test_read_yourself's subject)."""
+    return Client(socket, read_yourself=False)
+
+
 def _originals() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(2)
     return {f"layer{i}.weight": torch.randn(64 + 8 * i, 96, generator=gen) for i in range(6)}
@@ -78,7 +84,7 @@ def _equal(state: dict[str, Any]) -> bool:
 
 def test_several_reading_threads_wait_each_for_its_own_item(hf_dir: Path, daemon: str) -> None:
     inner = HuggingFaceStorageReader(str(hf_dir), thread_count=3)
-    reader = PrefetchReader(inner, client=Client(daemon))
+    reader = PrefetchReader(inner, client=_waiting(daemon))
     state = _zeros()
     dcp_load(state, storage_reader=reader, no_dist=True)
     assert _equal(state)
@@ -97,7 +103,7 @@ def test_several_reading_threads_wait_each_for_its_own_item(hf_dir: Path, daemon
 
 
 def test_the_native_format_is_warmed_before_it_is_read(native_dir: Path, daemon: str) -> None:
-    reader = PrefetchReader(FileSystemReader(str(native_dir)), client=Client(daemon))
+    reader = PrefetchReader(FileSystemReader(str(native_dir)), client=_waiting(daemon))
     state = _zeros()
     dcp_load(state, storage_reader=reader, no_dist=True)
     assert _equal(state)
@@ -118,7 +124,7 @@ def test_an_unknown_reader_loads_unchanged_after_one_warning(
             super()._process_read_request(f, req, planner)
 
     assert reader_kind(OwnReads(str(hf_dir))) is None
-    reader = PrefetchReader(OwnReads(str(hf_dir)), client=Client(daemon))
+    reader = PrefetchReader(OwnReads(str(hf_dir)), client=_waiting(daemon))
     state = _zeros()
     with caplog.at_level(logging.WARNING, logger="spanwarm"):
         dcp_load(state, storage_reader=reader, no_dist=True)
@@ -134,7 +140,7 @@ def test_a_failing_read_fails_the_load_as_without_spanwarm(hf_dir: Path, daemon:
         def commit_tensor(self, read_item: Any, tensor: Any) -> None:
             raise OSError(5, "Input/output error")
 
-    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=Client(daemon))
+    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=_waiting(daemon))
     with pytest.raises(CheckpointException, match="Input/output error"):
         dcp_load(_zeros(), storage_reader=reader, planner=FailingCommit(), no_dist=True)
     (load,) = reader.loads
@@ -146,7 +152,7 @@ def test_spanwarm_disable_requests_nothing(
     hf_dir: Path, daemon: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPANWARM_DISABLE", "1")
-    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=Client(daemon))
+    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=_waiting(daemon))
     state = _zeros()
     dcp_load(state, storage_reader=reader, no_dist=True)
     assert _equal(state)
@@ -157,12 +163,12 @@ def test_enable_wraps_inferred_and_explicit_readers_and_puts_torch_back(
     native_dir: Path, hf_dir: Path, daemon: str
 ) -> None:
     original = state_dict_loader._load_state_dict
-    with spanwarm_dcp.prefetch(Client(daemon), job="t") as session:
+    with spanwarm_dcp.prefetch(_waiting(daemon), job="t") as session:
         assert spanwarm_dcp.enable() is session  # idempotent
         state = _zeros()
         dcp_load(state, checkpoint_id=str(native_dir), no_dist=True)
         assert _equal(state)
-        explicit = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=Client(daemon))
+        explicit = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=_waiting(daemon))
         state = _zeros()
         dcp_load(state, storage_reader=explicit, no_dist=True)  # not wrapped twice
         assert _equal(state)
@@ -205,7 +211,7 @@ def test_a_reader_patched_on_the_instance_keeps_its_own_reads(hf_dir: Path, daem
         HuggingFaceStorageReader._process_read_request(inner, f, req, planner)
 
     inner._process_read_request = own  # type: ignore[method-assign]
-    reader = PrefetchReader(inner, client=Client(daemon))
+    reader = PrefetchReader(inner, client=_waiting(daemon))
     state = _zeros()
     dcp_load(state, storage_reader=reader, no_dist=True)
     assert _equal(state)
@@ -215,7 +221,7 @@ def test_a_reader_patched_on_the_instance_keeps_its_own_reads(hf_dir: Path, daem
 
 
 def test_a_load_nested_in_a_load_of_the_same_reader(hf_dir: Path, daemon: str) -> None:
-    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=Client(daemon))
+    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=_waiting(daemon))
     nested: dict[str, Any] = {"layer0.weight": torch.zeros(64, 96)}
 
     class Nested(DefaultLoadPlanner):

@@ -9,9 +9,12 @@ the disk it learned.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from spanwarm.client import Client
+from spanwarm.daemon.throughput import mount_name
 from tests.daemon_harness import cold_file, running_daemon
 from tests.integration.test_daemon import MiB, span
 
@@ -51,3 +54,46 @@ def test_until_a_device_is_known_ranks_wait(tmp_path: Path) -> None:
         assert ticket.wait_for_read("a", timeout=60) == "ready"
         assert ticket.progress.ready == 1
         client.close()
+
+
+def test_what_a_daemon_learned_survives_a_restart(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = cold_file(tmp_path / "first.safetensors", 16 * MiB, seed=3)
+    second = cold_file(tmp_path / "second.safetensors", 8 * MiB, seed=4)
+    with running_daemon(*FLAGS, "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        assert client.request([span("w", first, 0, 16 * MiB)]).wait(timeout=60)
+        client.close()
+        assert daemon.stop() == 0  # SIGTERM: what it learned is written on the way out
+    saved = json.loads((state / "devices.json").read_text())
+    (mount,) = saved["mounts"]
+    assert mount == mount_name(os.stat(first).st_dev)
+    assert (state / "devices.json").stat().st_mode & 0o077 == 0
+    with running_daemon(*FLAGS, "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", second, 0, 8 * MiB)])
+        assert ticket.wait(timeout=60)
+        (plan,) = ticket.plan
+        assert plan["stream_bytes_per_s"] > 0  # known from the first load on
+        (shown,) = client.status()["mounts"]
+        assert shown["mount"] == mount
+        assert shown["sampled_bytes"] >= 16 * MiB
+        client.close()
+
+
+def test_a_state_file_that_does_not_parse_is_ignored(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "devices.json").write_text('{"version": 1, "mounts": {"x": {"weighted_bytes": -1')
+    path = cold_file(tmp_path / "only.safetensors", 4 * MiB)
+    log = tmp_path / "daemon.log"
+    with (
+        log.open("wb") as stderr,
+        running_daemon(*FLAGS, "--state-dir", str(state), stderr=stderr) as daemon,
+    ):
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 4 * MiB)])
+        assert ticket.wait(timeout=60)
+        assert [f["stream_bytes_per_s"] for f in ticket.plan] == [0.0]
+        client.close()
+    assert "devices.json (learned throughput starts over)" in log.read_text()

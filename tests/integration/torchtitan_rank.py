@@ -112,7 +112,7 @@ def main(out: Path, socket: str) -> None:
     dist.barrier()
     record_native_reads()
     safetensors.safe_open = RecordingFile  # type: ignore[assignment,misc]
-    session = spanwarm_dcp.enable(Client(socket), job="titan-test")
+    session = spanwarm_dcp.enable(Client(socket, read_yourself=False), job="titan-test")
     cases = {
         "titan-hf-import": (hf, {"initial_load_path": str(hf), "initial_load_in_hf": True}),
         "titan-dcp-resume": (folder, {}),

@@ -104,7 +104,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     dist.init_process_group("gloo")
     safetensors.safe_open = RecordingFile  # type: ignore[assignment,misc]
-    prefetch = spanwarm_tf.enable(Client(sys.argv[3]), job="tf-dcp-test")
+    prefetch = spanwarm_tf.enable(Client(sys.argv[3], read_yourself=False), job="tf-dcp-test")
     assert prefetch.active
     for case in cases:
         run_case(case, out, prefetch)

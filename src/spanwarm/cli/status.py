@@ -81,11 +81,23 @@ def render(status: dict[str, Any]) -> Group:
             ProgressBar(total=max(f["warm_bytes"], 1), completed=f["warm_now_bytes"], width=20),
             f"{format_bytes(f['warm_now_bytes'])} of {format_bytes(f['warm_bytes'])}",
         )
+    mounts = Table(
+        "mount", "one stream, learned", "read cold", title="mounts", title_justify="left"
+    )
+    for m in status.get("mounts", []):
+        rate = m["stream_bytes_per_s"]
+        mounts.add_row(
+            m["mount"],
+            _rate(rate) if rate else "not known yet",
+            format_bytes(m["sampled_bytes"]),
+        )
     parts: list[Any] = [summary]
     if status["ranks"]:
         parts.append(ranks)
     if status["files"]:
         parts.append(files)
+    if status.get("mounts"):
+        parts.append(mounts)
     return Group(*parts)
 
 

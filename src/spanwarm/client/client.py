@@ -45,6 +45,7 @@ logger = logging.getLogger("spanwarm.client")
 _PENDING, _READY, _FAILED, _RELEASED = 0, 1, 2, 3
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
+_REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
 # SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
 _CHANNEL_OPTIONS = [
@@ -88,6 +89,7 @@ class Ticket:
         self._request_id: int | None = None
         self._token = ""  # from the access channel: Consumed reports carry it
         self._unreported: list[int] = []
+        self._flushing = False  # a batch of reports is due
         self.plan: list[dict[str, Any]] = []
         """The node plan for this request's files, once the daemon has accepted it."""
         self.failures: dict[str, str] = {}
@@ -165,15 +167,29 @@ class Ticket:
 
     def consumed(self, names: Iterable[str]) -> None:
         """Tell the daemon these tensors have been read: under a memory budget, warming
-        moves on to the next ones. Returns at once (the report is sent asynchronously)."""
+        moves on to the next ones. Returns at once: reports go out in batches, at most
+        ``_REPORT_DELAY`` later (a loader of many small tensors would otherwise spend a
+        gRPC call on each, on cores the load needs)."""
         groups = [self._index[n] for n in names if n in self._index]
         with self._cond:
             self._unreported.extend(groups)
-            if self._request_id is None or self._report is None:
-                return  # sent once the plan arrives
+            if self._request_id is None or self._report is None or self._flushing:
+                return  # sent once the plan arrives, or with the batch already due
+            self._flushing = True
+        timer = threading.Timer(_REPORT_DELAY, self._flush)
+        timer.daemon = True
+        timer.start()
+
+    def _flush(self) -> None:
+        with self._cond:
+            self._flushing = False
             batch, self._unreported = self._unreported, []
             request_id, report = self._request_id, self._report
-        report(request_id, batch)
+        if batch and request_id is not None and report is not None:
+            try:
+                report(request_id, batch)
+            except Exception as exc:  # the client was closed, the channel is gone: moot
+                logger.debug("spanwarm: Consumed not sent: %s", exc)
 
     def cancel(self) -> None:
         """Withdraw the request: the daemon drops warming only it needed."""
@@ -280,6 +296,7 @@ class Client:
         *,
         stream_timeout: float = 6 * 3600,
         stall_timeout: float = 30.0,
+        read_yourself: bool = True,
     ) -> None:
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout: must be > 0 seconds, got {stall_timeout!r}")
@@ -288,6 +305,9 @@ class Client:
         self.stream_timeout = stream_timeout
         self.stall_timeout = stall_timeout
         """Release a ticket whose daemon shows no progress for this long (seconds)."""
+        self.read_yourself = read_yourself
+        """``Ticket.wait_for_read`` stops waiting once reading a tensor here would be sooner
+        (False: it waits like ``wait``, e.g. to see every tensor warmed by the daemon)."""
         self.disabled = os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()
@@ -426,7 +446,8 @@ class Client:
                 elif kind == "plan":
                     ticket._progressed()
                     ticket.plan = [message_dict(f) for f in event.plan.files]
-                    ticket._learn_read_times(list(event.plan.files), list(request.files))
+                    if self.read_yourself:
+                        ticket._learn_read_times(list(event.plan.files), list(request.files))
                     self._attach(ticket, event.plan.request_id)
                 elif kind == "ready":
                     ticket._mark(event.ready.groups, _READY)

@@ -52,6 +52,16 @@ def _setting(
     return field(default=default, metadata=meta)
 
 
+def default_state_dir() -> str:
+    """systemd's StateDirectory for root; the XDG state directory for anyone else."""
+    if os.geteuid() == 0:
+        return "/var/lib/spanwarm"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return os.path.join(base, "spanwarm")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     socket: str = _setting(
@@ -201,6 +211,13 @@ class DaemonConfig:
         kind="bool",
         help="keep warmed spans mapped until their tensors are read (bounded by the budget), "
         "so reclaim cannot take them in between",
+    )
+    state_dir: str = _setting(
+        default_state_dir,
+        flag="--state-dir",
+        kind="str",
+        help="where the daemon keeps what it learned of each mount across restarts (default: "
+        "/var/lib/spanwarm as root, else $XDG_STATE_HOME/spanwarm; empty: keep nothing)",
     )
     evict_after_read: bool = _setting(
         False,

@@ -85,6 +85,7 @@ _PIECES = 8  # a warm operation goes in chunk/8 pieces, and may stop between the
 _PIECE_SECONDS = 0.25  # a piece slower than this halves the next ones ...
 _MIN_PIECE = 128 * 2**10  # ... down to this
 _OVERTIME_SECONDS = 1.0  # an operation asked to make way that runs on this long frees its worker
+_SAVE_EVERY_TICKS = 30  # learned throughput goes to the state directory every 30 s (if new)
 
 
 @dataclass(slots=True)
@@ -296,7 +297,7 @@ class Node:
         self._in_flight_bytes = 0
         self._budget_blocked = False
         self._mappings: dict[CellKey, list[tuple[int, int]]] = {}  # --hold: (address, length)
-        self.throughput = StreamThroughput()
+        self.throughput = StreamThroughput(config.state_dir or None)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -313,12 +314,14 @@ class Node:
         self._planner = loop.create_task(self._plan_loop(), name="plan")
 
     async def _refresh_metrics(self) -> None:
-        while True:
+        for tick in itertools.count(1):
             try:
                 self._expire_holds()
                 if self._started:  # an operation may have become stuck: workers to reuse
                     self._wake.set()
                 self.metrics.refresh(self.status())
+                if tick % _SAVE_EVERY_TICKS == 0:  # off the loop: a disk may be slow
+                    self._close_pool.submit(self.throughput.save)
             except Exception:  # a metrics refresh must never stop the holds from expiring
                 logger.exception("refreshing the metrics failed")
             await asyncio.sleep(1.0)
@@ -447,6 +450,7 @@ class Node:
         self._mappings.clear()
         self.files.close_all()
         self._close_pool.shutdown(wait=False)
+        self.throughput.save()  # what this run learned, for the next one
 
     # -- requests ----------------------------------------------------------------------
 

@@ -417,6 +417,7 @@ class WarmerService:
         else:
             uid, everything = None, self.owner_only()
         status = self.node.status(None if everything else lambda r: r.uid == uid)
+        learned = self.node.throughput.snapshot() if everything else []
         return _message(
             warmer_pb2.StatusReply,
             {
@@ -424,6 +425,14 @@ class WarmerService:
                 "version": __version__,
                 "ranks": [_message(warmer_pb2.RankStatus, r) for r in status["ranks"]],
                 "files": [_file_plan(f) for f in status["files"]],
+                # What other users' reads taught it is theirs: trusted callers only.
+                "mounts": [
+                    _message(
+                        warmer_pb2.MountStatus,
+                        {"mount": name, "stream_bytes_per_s": rate, "sampled_bytes": sampled},
+                    )
+                    for name, rate, sampled in learned
+                ],
             },
         )
 

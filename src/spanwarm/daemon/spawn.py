@@ -7,6 +7,7 @@ sd_notify protocol systemd uses (``READY=1`` on a private datagram socket).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket as socketlib
 import subprocess
@@ -60,8 +61,11 @@ def spawn_daemon(
     notify_path = os.path.join(directory, "notify")
     listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM | socketlib.SOCK_CLOEXEC)
     listener.bind(notify_path)
+    # Its own state directory, unless given one: what one daemon learned of the mounts
+    # must not leak into the next test's or benchmark arm's.
+    state = [] if "--state-dir" in flags else ["--state-dir", os.path.join(directory, "state")]
     process = subprocess.Popen(
-        [sys.executable, "-m", "spanwarm", "serve", "--socket", sock, *flags],
+        [sys.executable, "-m", "spanwarm", "serve", "--socket", sock, *state, *flags],
         env={**os.environ, "NOTIFY_SOCKET": notify_path, **(env or {})},
         stderr=stderr,
     )
@@ -86,4 +90,5 @@ def spawn_daemon(
         for name in (notify_path, sock, sock + ".access"):
             if os.path.lexists(name) and name.startswith(directory):
                 os.unlink(name)
+        shutil.rmtree(os.path.join(directory, "state"), ignore_errors=True)
         os.rmdir(directory)

@@ -1,65 +1,193 @@
-"""What one stream of reads gets from each device, learned from the daemon's own reads.
+"""What one stream of reads gets from each mount, learned from the daemon's own reads.
 
 Every piece the daemon reads cold (nothing of it resident before) is a sample: its bytes
 and the seconds the storage took (the warm engine's I/O time, without any throttle). Per
-``st_dev``, the samples' bytes over their seconds, weighted toward recent ones
-(exponential decay by bytes, half-life ``HALF_LIFE_BYTES``), is the throughput of one
-stream of the daemon's piece size there: latency included, which is what a rank's own
-read of a tensor would also pay.
+mount, the samples' bytes over their seconds, weighted toward recent ones (exponential
+decay by bytes, half-life ``HALF_LIFE_BYTES``), is the throughput of one stream of the
+daemon's piece size there: latency included, which is what a rank's own read of a tensor
+would also pay.
 
 A rank uses it to decide whether waiting is worth it (:meth:`Ticket.wait_for_read`): a
 tensor that is not warm after as long as the rank would take to read it cold itself is
 read by the rank. On fast local storage that means ranks never queue behind the daemon;
 on a slow mount, where one stream is what the daemon's many in flight beat, they wait.
+
+Mounts are named by what ``/proc/self/mountinfo`` says of their device (file system type
+and source, e.g. ``nfs4 filer:/ckpt``), not by ``st_dev``, whose numbers a remount or a
+reboot hands out again: that name is what is kept across restarts, in ``devices.json`` in
+the daemon's state directory (written atomically; a file that does not parse is ignored
+with a warning, never trusted in part).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
+import tempfile
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["HALF_LIFE_BYTES", "MIN_SAMPLE_BYTES", "StreamThroughput"]
+__all__ = ["HALF_LIFE_BYTES", "MIN_SAMPLE_BYTES", "StreamThroughput", "mount_name"]
+
+logger = logging.getLogger("spanwarm.daemon")
 
 HALF_LIFE_BYTES = 1 << 30  # samples older by a GiB of reads count half
 MIN_SAMPLE_BYTES = 64 << 10  # smaller reads are all latency: they would say little
-_MIN_BYTES = 8 << 20  # not known until this much has been read cold on the device
+_MIN_BYTES = 8 << 20  # not known until this much has been read cold on the mount
+_STATE_FILE = "devices.json"
+_MAX_STATE_BYTES = 1 << 20
+_MAX_MOUNTS = 1024  # a state file names at most this many mounts (the most sampled)
+
+
+def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """``"<fstype> <source>"`` of the mount whose device is ``device`` (the device number
+    when mountinfo does not name it)."""
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == wanted and "-" in fields:
+                    rest = fields[fields.index("-") + 1 :]
+                    if len(rest) >= 2:
+                        return f"{rest[0]} {rest[1]}"
+    except OSError:
+        pass
+    return f"dev {wanted}"
 
 
 @dataclass
-class _Device:
+class _Mount:
     weighted_bytes: float = 0.0
     weighted_seconds: float = 0.0
     total_bytes: int = 0
 
+    @property
+    def bytes_per_s(self) -> float:
+        if self.total_bytes < _MIN_BYTES or self.weighted_seconds <= 0:
+            return 0.0
+        return self.weighted_bytes / self.weighted_seconds
+
 
 class StreamThroughput:
-    """Per device: bytes per second of one stream of cold reads (thread-safe)."""
+    """Per mount: bytes per second of one stream of cold reads (thread-safe), kept in
+    ``state_dir`` (None: not kept)."""
 
-    def __init__(self) -> None:
-        self._devices: dict[int, _Device] = {}
+    def __init__(self, state_dir: str | None = None) -> None:
+        self._mounts: dict[str, _Mount] = {}
+        self._names: dict[int, str] = {}  # st_dev -> mount name, as mountinfo said
         self._lock = threading.Lock()
+        self._dirty = False
+        self.state_dir = state_dir
+        if state_dir:
+            self._load(os.path.join(state_dir, _STATE_FILE))
+
+    def name(self, device: int) -> str:
+        with self._lock:
+            known = self._names.get(device)
+        if known is None:
+            known = mount_name(device)
+            with self._lock:
+                self._names[device] = known
+        return known
 
     def record(self, device: int, nbytes: int, seconds: float) -> None:
         """One cold read of ``nbytes`` that took ``seconds`` on ``device``."""
         if nbytes < MIN_SAMPLE_BYTES or not seconds > 0:
             return
+        name = self.name(device)
         with self._lock:
-            d = self._devices.setdefault(device, _Device())
+            m = self._mounts.setdefault(name, _Mount())
             keep = 0.5 ** (nbytes / HALF_LIFE_BYTES)
-            d.weighted_bytes = d.weighted_bytes * keep + nbytes
-            d.weighted_seconds = d.weighted_seconds * keep + seconds
-            d.total_bytes += nbytes
+            m.weighted_bytes = m.weighted_bytes * keep + nbytes
+            m.weighted_seconds = m.weighted_seconds * keep + seconds
+            m.total_bytes += nbytes
+            self._dirty = True
 
     def bytes_per_s(self, device: int) -> float:
-        """The learned throughput; 0.0 while too little has been read there to tell."""
+        """The learned throughput on ``device``'s mount; 0.0 while too little is known."""
+        name = self.name(device)
         with self._lock:
-            d = self._devices.get(device)
-            if d is None or d.total_bytes < _MIN_BYTES or d.weighted_seconds <= 0:
-                return 0.0
-            return d.weighted_bytes / d.weighted_seconds
+            m = self._mounts.get(name)
+            return 0.0 if m is None else m.bytes_per_s
 
-    def snapshot(self) -> dict[int, tuple[float, int]]:
-        """Device -> (bytes per second, or 0.0 while unknown; bytes sampled)."""
+    def snapshot(self) -> list[tuple[str, float, int]]:
+        """(mount, bytes per second or 0.0 while unknown, bytes sampled), most sampled first."""
         with self._lock:
-            devices = list(self._devices)
-        return {dev: (self.bytes_per_s(dev), self._devices[dev].total_bytes) for dev in devices}
+            rows = [(n, m.bytes_per_s, m.total_bytes) for n, m in self._mounts.items()]
+        return sorted(rows, key=lambda row: -row[2])
+
+    # -- kept across restarts ------------------------------------------------------------
+
+    def save(self) -> None:
+        """Write what was learned, if anything changed (atomically: a crash leaves the old
+        file or the new one)."""
+        if not self.state_dir:
+            return
+        with self._lock:
+            if not self._dirty:
+                return
+            self._dirty = False
+            mounts = sorted(self._mounts.items(), key=lambda kv: -kv[1].total_bytes)
+            document = {
+                "version": 1,
+                "mounts": {
+                    name: {
+                        "weighted_bytes": m.weighted_bytes,
+                        "weighted_seconds": m.weighted_seconds,
+                        "total_bytes": m.total_bytes,
+                    }
+                    for name, m in mounts[:_MAX_MOUNTS]
+                },
+            }
+        try:
+            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".devices-", dir=self.state_dir)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(document, f)
+                os.replace(tmp, os.path.join(self.state_dir, _STATE_FILE))
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            logger.warning("cannot keep learned throughput in %s: %s", self.state_dir, exc)
+
+    def _load(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            logger.warning("ignoring %s: %s", path, exc)
+            return
+        try:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(_MAX_STATE_BYTES + 1)
+            if len(raw) > _MAX_STATE_BYTES:
+                raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+            self._mounts = _parse(json.loads(raw))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            logger.warning("ignoring %s (learned throughput starts over): %s", path, exc)
+            self._mounts = {}
+
+
+def _parse(document: Any) -> dict[str, _Mount]:
+    if not isinstance(document, dict) or document.get("version") != 1:
+        raise ValueError("not a version 1 document")
+    mounts = document["mounts"]
+    if not isinstance(mounts, dict):
+        raise ValueError("not a version 1 document of mounts")
+    out: dict[str, _Mount] = {}
+    for name, entry in list(mounts.items())[:_MAX_MOUNTS]:
+        values = (entry["weighted_bytes"], entry["weighted_seconds"], entry["total_bytes"])
+        if not isinstance(name, str) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for v in values
+        ):
+            raise ValueError(f"mount {name!r}: not three finite non-negative numbers")
+        out[name] = _Mount(float(values[0]), float(values[1]), int(values[2]))
+    return out

@@ -82,19 +82,13 @@ def render(status: dict[str, Any]) -> Group:
             f"{format_bytes(f['warm_now_bytes'])} of {format_bytes(f['warm_bytes'])}",
         )
     mounts = Table(
-        "mount",
-        "one stream, learned",
-        "seek cost, learned",
-        "read cold",
-        title="mounts",
-        title_justify="left",
+        "mount", "one stream, learned", "read cold", title="mounts", title_justify="left"
     )
     for m in status.get("mounts", []):
-        rate, seek = m["stream_bytes_per_s"], m.get("seek_cost_bytes", 0)
+        rate = m["stream_bytes_per_s"]
         mounts.add_row(
             m["mount"],
             _rate(rate) if rate else "not known yet",
-            format_bytes(seek) if seek else "not known yet",
             format_bytes(m["sampled_bytes"]),
         )
     parts: list[Any] = [summary]

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.endpoint import access_socket_path, default_socket_path
 from spanwarm.units import parse_size
 
@@ -107,12 +108,11 @@ class DaemonConfig:
         help="populate, read or hint (default: populate where the kernel has it)",
         choices=("populate", "read", "hint"),
     )
-    seek_cost: int | None = _setting(
-        None,
+    seek_cost: int = _setting(
+        DEFAULT_SEEK_COST,
         flag="--seek-cost",
         kind="size",
-        help="price of one seek in bytes, on every mount (default: learned per mount from "
-        "the daemon's own reads, 12MiB until then; spanwarm calibrate measures it)",
+        help="price of one seek in bytes (measure it: spanwarm calibrate)",
     )
     max_spans: int = _setting(
         4_000_000, flag="--max-spans", kind="int", help="most spans one Warm request may carry"
@@ -265,7 +265,7 @@ class DaemonConfig:
             raise ConfigError(
                 f"chunk_bytes: must be a positive multiple of {page}, got {self.chunk_bytes}"
             )
-        if self.seek_cost is not None and self.seek_cost < 0:
+        if self.seek_cost < 0:
             raise ConfigError(f"seek_cost: must be >= 0, got {self.seek_cost}")
         for name in ("max_spans", "max_files", "max_cells", "max_span_cells", "max_rows"):
             value = getattr(self, name)

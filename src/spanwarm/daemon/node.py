@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan, plan_file
+from spanwarm.costmodel import FilePlan, plan_file
 from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
@@ -149,13 +149,13 @@ def _since(ranges: Iterable[tuple[int, int, float]], when: float) -> list[Range]
 
 
 def _plan_files(
-    jobs: list[tuple[OpenFile, list[SpanTable], int]], chunk: int
+    jobs: list[tuple[OpenFile, list[SpanTable]]], seek_cost: int, chunk: int
 ) -> list[tuple[OpenFile, FilePlan, _CellQueue]]:
-    """Runs in the planning worker: each file's plan over its users' spans at its mount's
-    seek cost, and every cell the plan reads (the background queue; cells some request
-    waits on are skipped when they come up)."""
+    """Runs in the planning worker: each file's plan over its users' spans, and every
+    cell the plan reads (the background queue; cells some request waits on are skipped
+    when they come up)."""
     out = []
-    for file, tables, seek_cost in jobs:
+    for file, tables in jobs:
         plan = plan_file(file.path, file.size, SpanTable.concat(tables), seek_cost)
         first, last = plan.runs.starts // chunk, (plan.runs.stops - 1) // chunk
         counts = last - first + 1
@@ -553,17 +553,17 @@ class Node:
             dirty, self._dirty = self._dirty, set()
             waiters, self._plan_waiters = self._plan_waiters, []
             jobs = [
-                (f, [r.files[f] for r in self._users[f]], self.seek_cost_of(f))
+                (f, [r.files[f] for r in self._users[f]])
                 for f in dirty
                 if self._users.get(f) and not f.failed
             ]
-            rows = sum(int(t.count.sum()) for _, tables, _ in jobs for t in tables)
+            rows = sum(int(t.count.sum()) for _, tables in jobs for t in tables)
             try:
                 if rows <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
-                    planned = _plan_files(jobs, self.chunk)
+                    planned = _plan_files(jobs, self.config.seek_cost, self.chunk)
                 else:
                     planned = await loop.run_in_executor(
-                        self._plan_pool, _plan_files, jobs, self.chunk
+                        self._plan_pool, _plan_files, jobs, self.config.seek_cost, self.chunk
                     )
             except Exception as exc:  # a bug: refuse the requests that waited, keep serving
                 logger.exception("planning failed")
@@ -581,23 +581,13 @@ class Node:
                     waiter.set_result(None)
             self._wake.set()
 
-    def seek_cost_of(self, file: OpenFile) -> int:
-        """``--seek-cost`` when given, else what the daemon learned on the file's mount,
-        else the default (12 MiB, a cross-region figure: calibrate, or let it learn)."""
-        if self.config.seek_cost is not None:
-            return self.config.seek_cost
-        learned = self.throughput.seek_cost(file.identity.device)
-        return DEFAULT_SEEK_COST if learned is None else learned
-
-    def plan_of(self, request: Request) -> list[tuple[FilePlan, float, int]]:
+    def plan_of(self, request: Request) -> list[tuple[FilePlan, float]]:
         """The node plan for the request's files, each named as its caller knows it, with
-        the stream throughput learned on its device (0.0 while unknown) and the seek cost
-        it was planned with."""
+        the stream throughput learned on its device (0.0 while unknown)."""
         return [
             (
                 dataclasses.replace(self._plans[f], path=request.name_of(f)),
                 self.throughput.bytes_per_s(f.identity.device),
-                self.seek_cost_of(f),
             )
             for f in request.files
             if f in self._plans
@@ -1111,9 +1101,7 @@ class Node:
             "uptime_s": now - self.started,
             "method": str(self.method),
             "workers": self.config.workers,
-            "seek_cost_bytes": self.config.seek_cost
-            if self.config.seek_cost is not None
-            else DEFAULT_SEEK_COST,
+            "seek_cost_bytes": self.config.seek_cost,
             "ranks": ranks,
             "files": files,
             "bytes_requested": sum(r.nbytes for r in self._requests),

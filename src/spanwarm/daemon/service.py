@@ -314,19 +314,16 @@ class WarmerService:
         finally:
             registration.cancel()
         plans = self.node.plan_of(live)
-        _log_decisions(live, [(p, seek) for p, _, seek in plans])
+        _log_decisions(live, [p for p, _ in plans], self.config.seek_cost)
         yield warmer_pb2.WarmEvent(
             plan=_message(
                 warmer_pb2.Plan,
                 {
                     "request_id": live.id,
                     "request_bytes": live.nbytes,
-                    "seek_cost_bytes": max((seek for _, _, seek in plans), default=0),
+                    "seek_cost_bytes": self.config.seek_cost,
                     "files": [
-                        _file_plan(
-                            {**p.to_json(), "stream_bytes_per_s": rate, "seek_cost_bytes": seek}
-                        )
-                        for p, rate, seek in plans
+                        _file_plan({**p.to_json(), "stream_bytes_per_s": rate}) for p, rate in plans
                     ],
                 },
             )
@@ -432,14 +429,9 @@ class WarmerService:
                 "mounts": [
                     _message(
                         warmer_pb2.MountStatus,
-                        {
-                            "mount": name,
-                            "stream_bytes_per_s": rate,
-                            "sampled_bytes": sampled,
-                            "seek_cost_bytes": seek or 0,
-                        },
+                        {"mount": name, "stream_bytes_per_s": rate, "sampled_bytes": sampled},
                     )
-                    for name, rate, sampled, seek in learned
+                    for name, rate, sampled in learned
                 ],
             },
         )
@@ -468,14 +460,12 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
             task.cancel()
 
 
-def _log_decisions(live: Request, plans: list[tuple[FilePlan, int]]) -> None:
-    """One line per request: what the node plan does with its files, and why (each file
-    planned at its mount's seek cost)."""
-    whole = [p for p, _ in plans if p.decision == "whole"]
-    costs = sorted({seek for _, seek in plans})
+def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None:
+    """One line per request: what the node plan does with its files, and why."""
+    whole = [p for p in plans if p.decision == "whole"]
     logger.info(
         "job %s rank %d: %d tensors, %d bytes in %d files; node plan: %d files whole, %d as "
-        "spans, %d bytes to read (seek cost %s)",
+        "spans, %d bytes to read (seek cost %d)",
         live.job,
         live.rank,
         len(live.groups),
@@ -483,19 +473,14 @@ def _log_decisions(live: Request, plans: list[tuple[FilePlan, int]]) -> None:
         len(plans),
         len(whole),
         len(plans) - len(whole),
-        sum(p.warm_bytes for p, _ in plans),
-        " / ".join(str(c) for c in costs) or "-",
+        sum(p.warm_bytes for p in plans),
+        seek_cost,
         extra={
             "fields": {
                 "job": live.job,
                 "rank": live.rank,
                 "files": [
-                    {
-                        **p.to_json(),
-                        "seek_cost_bytes": seek,
-                        "whole_cost_bytes": p.size_bytes + seek,
-                    }
-                    for p, seek in plans
+                    {**p.to_json(), "whole_cost_bytes": p.size_bytes + seek_cost} for p in plans
                 ],
             }
         },

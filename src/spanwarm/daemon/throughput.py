@@ -12,13 +12,6 @@ tensor that is not warm after as long as the rank would take to read it cold its
 read by the rank. On fast local storage that means ranks never queue behind the daemon;
 on a slow mount, where one stream is what the daemon's many in flight beat, they wait.
 
-The same samples, all sizes, fit ``seconds = latency + bytes / rate`` (least squares,
-weighted the same way): ``latency x rate`` is the mount's seek cost in bytes, what one
-more read costs in bytes one stream would have read meanwhile, which the cost model
-weighs gaps against. It counts once the samples spread over read sizes (at least
-``_MIN_FIT_SAMPLES`` of them, sizes varying) and the fit is physical (positive latency
-and rate); until then the configured seek cost applies.
-
 Mounts are named by what ``/proc/self/mountinfo`` says of their device (file system type
 and source, e.g. ``nfs4 filer:/ckpt``), not by ``st_dev``, whose numbers a remount or a
 reboot hands out again: that name is what is kept across restarts, in ``devices.json`` in
@@ -34,7 +27,7 @@ import math
 import os
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["HALF_LIFE_BYTES", "MIN_SAMPLE_BYTES", "StreamThroughput", "mount_name"]
@@ -47,8 +40,6 @@ _MIN_BYTES = 8 << 20  # not known until this much has been read cold on the moun
 _STATE_FILE = "devices.json"
 _MAX_STATE_BYTES = 1 << 20
 _MAX_MOUNTS = 1024  # a state file names at most this many mounts (the most sampled)
-_MIN_FIT_SAMPLES = 64  # reads before the fit counts
-_MIN_SPREAD = 0.05  # the read sizes' variance, relative to their mean squared, at least
 
 
 def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
@@ -68,37 +59,17 @@ def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
     return f"dev {wanted}"
 
 
-_FIT = ("w", "n", "t", "nn", "nt")  # decayed sums: weight, bytes, seconds, bytes^2, bytes*seconds
-
-
 @dataclass
 class _Mount:
     weighted_bytes: float = 0.0
     weighted_seconds: float = 0.0
     total_bytes: int = 0
-    fit: list[float] = field(default_factory=lambda: [0.0] * len(_FIT))
-    samples: int = 0
 
     @property
     def bytes_per_s(self) -> float:
         if self.total_bytes < _MIN_BYTES or self.weighted_seconds <= 0:
             return 0.0
         return self.weighted_bytes / self.weighted_seconds
-
-    @property
-    def seek_cost(self) -> int | None:
-        """latency x rate from the fit, once the samples say something (else None)."""
-        w, n, t, nn, nt = self.fit
-        if self.samples < _MIN_FIT_SAMPLES or w <= 0:
-            return None
-        spread = w * nn - n * n  # w^2 x variance of the read sizes
-        if spread <= _MIN_SPREAD * n * n:  # reads of (nearly) one size: no slope to fit
-            return None
-        slope = (w * nt - n * t) / spread  # seconds per byte
-        latency = (t - slope * n) / w
-        if slope <= 0 or latency <= 0:
-            return None
-        return int(latency / slope)
 
 
 class StreamThroughput:
@@ -125,31 +96,16 @@ class StreamThroughput:
 
     def record(self, device: int, nbytes: int, seconds: float) -> None:
         """One cold read of ``nbytes`` that took ``seconds`` on ``device``."""
-        if nbytes <= 0 or not seconds > 0 or not math.isfinite(seconds):
+        if nbytes < MIN_SAMPLE_BYTES or not seconds > 0:
             return
         name = self.name(device)
         with self._lock:
             m = self._mounts.setdefault(name, _Mount())
             keep = 0.5 ** (nbytes / HALF_LIFE_BYTES)
-            m.fit = [
-                old * keep + new
-                for old, new in zip(
-                    m.fit, (1.0, nbytes, seconds, nbytes * nbytes, nbytes * seconds), strict=True
-                )
-            ]
-            m.samples += 1
-            if nbytes >= MIN_SAMPLE_BYTES:  # the throughput: reads big enough to stream
-                m.weighted_bytes = m.weighted_bytes * keep + nbytes
-                m.weighted_seconds = m.weighted_seconds * keep + seconds
-                m.total_bytes += nbytes
+            m.weighted_bytes = m.weighted_bytes * keep + nbytes
+            m.weighted_seconds = m.weighted_seconds * keep + seconds
+            m.total_bytes += nbytes
             self._dirty = True
-
-    def seek_cost(self, device: int) -> int | None:
-        """The seek cost learned on ``device``'s mount, in bytes; None while unknown."""
-        name = self.name(device)
-        with self._lock:
-            m = self._mounts.get(name)
-            return None if m is None else m.seek_cost
 
     def bytes_per_s(self, device: int) -> float:
         """The learned throughput on ``device``'s mount; 0.0 while too little is known."""
@@ -158,11 +114,10 @@ class StreamThroughput:
             m = self._mounts.get(name)
             return 0.0 if m is None else m.bytes_per_s
 
-    def snapshot(self) -> list[tuple[str, float, int, int | None]]:
-        """(mount, bytes per second or 0.0 while unknown, bytes sampled, seek cost or None),
-        most sampled first."""
+    def snapshot(self) -> list[tuple[str, float, int]]:
+        """(mount, bytes per second or 0.0 while unknown, bytes sampled), most sampled first."""
         with self._lock:
-            rows = [(n, m.bytes_per_s, m.total_bytes, m.seek_cost) for n, m in self._mounts.items()]
+            rows = [(n, m.bytes_per_s, m.total_bytes) for n, m in self._mounts.items()]
         return sorted(rows, key=lambda row: -row[2])
 
     # -- kept across restarts ------------------------------------------------------------
@@ -184,8 +139,6 @@ class StreamThroughput:
                         "weighted_bytes": m.weighted_bytes,
                         "weighted_seconds": m.weighted_seconds,
                         "total_bytes": m.total_bytes,
-                        "fit": m.fit,
-                        "samples": m.samples,
                     }
                     for name, m in mounts[:_MAX_MOUNTS]
                 },
@@ -236,22 +189,5 @@ def _parse(document: Any) -> dict[str, _Mount]:
             for v in values
         ):
             raise ValueError(f"mount {name!r}: not three finite non-negative numbers")
-        fit = entry.get("fit", [0.0] * len(_FIT))
-        samples = entry.get("samples", 0)
-        if (
-            not isinstance(fit, list)
-            or len(fit) != len(_FIT)
-            or not all(_finite(v) for v in fit)
-            or not isinstance(samples, int)
-            or isinstance(samples, bool)
-            or samples < 0
-        ):
-            raise ValueError(f"mount {name!r}: a fit that is not {len(_FIT)} finite numbers")
-        out[name] = _Mount(
-            float(values[0]), float(values[1]), int(values[2]), [float(v) for v in fit], samples
-        )
+        out[name] = _Mount(float(values[0]), float(values[1]), int(values[2]))
     return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspanwarm/rpc/v1/warmer.proto\x12\x0bspanwarm.v1\"\xbe\x01\n\x0bWarmRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x0e\n\x06groups\x18\x04 \x03(\t\x12\x12\n\nfile_index\x18\x05 \x03(\r\x12\x0e\n\x06offset\x18\x06 \x03(\x04\x12\x0e\n\x06length\x18\x07 \x03(\x04\x12\x0e\n\x06stride\x18\x08 \x03(\x04\x12\r\n\x05\x63ount\x18\t \x03(\x04\x12\x13\n\x0bgroup_index\x18\n \x03(\r\x12\r\n\x05token\x18\x0b \x01(\t\"\xdb\x01\n\x08\x46ilePlan\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x04\x12\x10\n\x08num_runs\x18\x04 \x01(\r\x12\x12\n\ncost_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x64\x65\x63ision\x18\x06 \x01(\t\x12\x12\n\nwarm_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ewarm_now_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12stream_bytes_per_s\x18\t \x01(\x01\x12\x17\n\x0fseek_cost_bytes\x18\n \x01(\x04\"p\n\x04Plan\x12\x15\n\rrequest_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fseek_cost_bytes\x18\x02 \x01(\x04\x12$\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"\x17\n\x05Ready\x12\x0e\n\x06groups\x18\x01 \x03(\r\"6\n\x06\x46\x61iled\x12\x0e\n\x06groups\x18\x01 \x03(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x04\x44one\x12\r\n\x05ready\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\"2\n\tHeartbeat\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\"\xd3\x01\n\tWarmEvent\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x11.spanwarm.v1.PlanH\x00\x12#\n\x05ready\x18\x02 \x01(\x0b\x32\x12.spanwarm.v1.ReadyH\x00\x12%\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x13.spanwarm.v1.FailedH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.spanwarm.v1.DoneH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.spanwarm.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"D\n\x0f\x43onsumedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0e\n\x06groups\x18\x02 \x03(\r\x12\r\n\x05token\x18\x03 \x01(\t\"\x0f\n\rConsumedReply\"\x1e\n\rStatusRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\xa1\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06groups\x18\x03 \x01(\r\x12\x14\n\x0cgroups_ready\x18\x04 \x01(\r\x12\x15\n\rgroups_failed\x18\x05 \x01(\r\x12\x17\n\x0f\x62ytes_requested\x18\x06 \x01(\x04\x12\x13\n\x0b\x62ytes_ready\x18\x07 \x01(\x04\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x93\x04\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x17\n\x0fseek_cost_bytes\x18\x05 \x01(\x04\x12&\n\x05ranks\x18\x06 \x03(\x0b\x32\x17.spanwarm.v1.RankStatus\x12$\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x17\n\x0f\x62ytes_requested\x18\x08 \x01(\x04\x12\x15\n\rbytes_planned\x18\t \x01(\x04\x12\x12\n\nbytes_warm\x18\n \x01(\x04\x12\x18\n\x10\x62ytes_read_total\x18\x0b \x01(\x04\x12\x1c\n\x14\x62ytes_verified_total\x18\x0c \x01(\x04\x12\x1e\n\x16throughput_bytes_per_s\x18\r \x01(\x01\x12\r\n\x05\x65ta_s\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\r\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12\x14\n\x0c\x62udget_bytes\x18\x11 \x01(\x04\x12\x12\n\nheld_bytes\x18\x12 \x01(\x04\x12\x1a\n\x12waiting_for_budget\x18\x13 \x01(\r\x12\x16\n\x0ewaiting_reason\x18\x14 \x01(\t\x12(\n\x06mounts\x18\x15 \x03(\x0b\x32\x18.spanwarm.v1.MountStatus\"h\n\x0bMountStatus\x12\r\n\x05mount\x18\x01 \x01(\t\x12\x1a\n\x12stream_bytes_per_s\x18\x02 \x01(\x01\x12\x15\n\rsampled_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fseek_cost_bytes\x18\x04 \x01(\x04\"1\n\x0cGrantRequest\x12\x13\n\x0b\x64\x65scriptors\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\x08\"L\n\nGrantReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x11\n\texpires_s\x18\x02 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t2\xca\x01\n\x06Warmer\x12:\n\x04Warm\x12\x18.spanwarm.v1.WarmRequest\x1a\x16.spanwarm.v1.WarmEvent0\x01\x12>\n\x06Status\x12\x1a.spanwarm.v1.StatusRequest\x1a\x18.spanwarm.v1.StatusReply\x12\x44\n\x08\x43onsumed\x12\x1c.spanwarm.v1.ConsumedRequest\x1a\x1a.spanwarm.v1.ConsumedReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspanwarm/rpc/v1/warmer.proto\x12\x0bspanwarm.v1\"\xbe\x01\n\x0bWarmRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x0e\n\x06groups\x18\x04 \x03(\t\x12\x12\n\nfile_index\x18\x05 \x03(\r\x12\x0e\n\x06offset\x18\x06 \x03(\x04\x12\x0e\n\x06length\x18\x07 \x03(\x04\x12\x0e\n\x06stride\x18\x08 \x03(\x04\x12\r\n\x05\x63ount\x18\t \x03(\x04\x12\x13\n\x0bgroup_index\x18\n \x03(\r\x12\r\n\x05token\x18\x0b \x01(\t\"\xc2\x01\n\x08\x46ilePlan\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x04\x12\x10\n\x08num_runs\x18\x04 \x01(\r\x12\x12\n\ncost_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x64\x65\x63ision\x18\x06 \x01(\t\x12\x12\n\nwarm_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ewarm_now_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12stream_bytes_per_s\x18\t \x01(\x01\"p\n\x04Plan\x12\x15\n\rrequest_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fseek_cost_bytes\x18\x02 \x01(\x04\x12$\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"\x17\n\x05Ready\x12\x0e\n\x06groups\x18\x01 \x03(\r\"6\n\x06\x46\x61iled\x12\x0e\n\x06groups\x18\x01 \x03(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x04\x44one\x12\r\n\x05ready\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\"2\n\tHeartbeat\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x11\n\tin_flight\x18\x02 \x01(\r\"\xd3\x01\n\tWarmEvent\x12!\n\x04plan\x18\x01 \x01(\x0b\x32\x11.spanwarm.v1.PlanH\x00\x12#\n\x05ready\x18\x02 \x01(\x0b\x32\x12.spanwarm.v1.ReadyH\x00\x12%\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x13.spanwarm.v1.FailedH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.spanwarm.v1.DoneH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.spanwarm.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent\"D\n\x0f\x43onsumedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0e\n\x06groups\x18\x02 \x03(\r\x12\r\n\x05token\x18\x03 \x01(\t\"\x0f\n\rConsumedReply\"\x1e\n\rStatusRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\xa1\x01\n\nRankStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06groups\x18\x03 \x01(\r\x12\x14\n\x0cgroups_ready\x18\x04 \x01(\r\x12\x15\n\rgroups_failed\x18\x05 \x01(\r\x12\x17\n\x0f\x62ytes_requested\x18\x06 \x01(\x04\x12\x13\n\x0b\x62ytes_ready\x18\x07 \x01(\x04\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x93\x04\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x17\n\x0fseek_cost_bytes\x18\x05 \x01(\x04\x12&\n\x05ranks\x18\x06 \x03(\x0b\x32\x17.spanwarm.v1.RankStatus\x12$\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x15.spanwarm.v1.FilePlan\x12\x17\n\x0f\x62ytes_requested\x18\x08 \x01(\x04\x12\x15\n\rbytes_planned\x18\t \x01(\x04\x12\x12\n\nbytes_warm\x18\n \x01(\x04\x12\x18\n\x10\x62ytes_read_total\x18\x0b \x01(\x04\x12\x1c\n\x14\x62ytes_verified_total\x18\x0c \x01(\x04\x12\x1e\n\x16throughput_bytes_per_s\x18\r \x01(\x01\x12\r\n\x05\x65ta_s\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\r\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12\x14\n\x0c\x62udget_bytes\x18\x11 \x01(\x04\x12\x12\n\nheld_bytes\x18\x12 \x01(\x04\x12\x1a\n\x12waiting_for_budget\x18\x13 \x01(\r\x12\x16\n\x0ewaiting_reason\x18\x14 \x01(\t\x12(\n\x06mounts\x18\x15 \x03(\x0b\x32\x18.spanwarm.v1.MountStatus\"O\n\x0bMountStatus\x12\r\n\x05mount\x18\x01 \x01(\t\x12\x1a\n\x12stream_bytes_per_s\x18\x02 \x01(\x01\x12\x15\n\rsampled_bytes\x18\x03 \x01(\x04\"1\n\x0cGrantRequest\x12\x13\n\x0b\x64\x65scriptors\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\x08\"L\n\nGrantReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x11\n\texpires_s\x18\x02 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t2\xca\x01\n\x06Warmer\x12:\n\x04Warm\x12\x18.spanwarm.v1.WarmRequest\x1a\x16.spanwarm.v1.WarmEvent0\x01\x12>\n\x06Status\x12\x1a.spanwarm.v1.StatusRequest\x1a\x18.spanwarm.v1.StatusReply\x12\x44\n\x08\x43onsumed\x12\x1c.spanwarm.v1.ConsumedRequest\x1a\x1a.spanwarm.v1.ConsumedReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WARMREQUEST']._serialized_start=46
   _globals['_WARMREQUEST']._serialized_end=236
   _globals['_FILEPLAN']._serialized_start=239
-  _globals['_FILEPLAN']._serialized_end=458
-  _globals['_PLAN']._serialized_start=460
-  _globals['_PLAN']._serialized_end=572
-  _globals['_READY']._serialized_start=574
-  _globals['_READY']._serialized_end=597
-  _globals['_FAILED']._serialized_start=599
-  _globals['_FAILED']._serialized_end=653
-  _globals['_DONE']._serialized_start=655
-  _globals['_DONE']._serialized_end=692
-  _globals['_HEARTBEAT']._serialized_start=694
-  _globals['_HEARTBEAT']._serialized_end=744
-  _globals['_WARMEVENT']._serialized_start=747
-  _globals['_WARMEVENT']._serialized_end=958
-  _globals['_CONSUMEDREQUEST']._serialized_start=960
-  _globals['_CONSUMEDREQUEST']._serialized_end=1028
-  _globals['_CONSUMEDREPLY']._serialized_start=1030
-  _globals['_CONSUMEDREPLY']._serialized_end=1045
-  _globals['_STATUSREQUEST']._serialized_start=1047
-  _globals['_STATUSREQUEST']._serialized_end=1077
-  _globals['_RANKSTATUS']._serialized_start=1080
-  _globals['_RANKSTATUS']._serialized_end=1241
-  _globals['_STATUSREPLY']._serialized_start=1244
-  _globals['_STATUSREPLY']._serialized_end=1775
-  _globals['_MOUNTSTATUS']._serialized_start=1777
-  _globals['_MOUNTSTATUS']._serialized_end=1881
-  _globals['_GRANTREQUEST']._serialized_start=1883
-  _globals['_GRANTREQUEST']._serialized_end=1932
-  _globals['_GRANTREPLY']._serialized_start=1934
-  _globals['_GRANTREPLY']._serialized_end=2010
-  _globals['_WARMER']._serialized_start=2013
-  _globals['_WARMER']._serialized_end=2215
+  _globals['_FILEPLAN']._serialized_end=433
+  _globals['_PLAN']._serialized_start=435
+  _globals['_PLAN']._serialized_end=547
+  _globals['_READY']._serialized_start=549
+  _globals['_READY']._serialized_end=572
+  _globals['_FAILED']._serialized_start=574
+  _globals['_FAILED']._serialized_end=628
+  _globals['_DONE']._serialized_start=630
+  _globals['_DONE']._serialized_end=667
+  _globals['_HEARTBEAT']._serialized_start=669
+  _globals['_HEARTBEAT']._serialized_end=719
+  _globals['_WARMEVENT']._serialized_start=722
+  _globals['_WARMEVENT']._serialized_end=933
+  _globals['_CONSUMEDREQUEST']._serialized_start=935
+  _globals['_CONSUMEDREQUEST']._serialized_end=1003
+  _globals['_CONSUMEDREPLY']._serialized_start=1005
+  _globals['_CONSUMEDREPLY']._serialized_end=1020
+  _globals['_STATUSREQUEST']._serialized_start=1022
+  _globals['_STATUSREQUEST']._serialized_end=1052
+  _globals['_RANKSTATUS']._serialized_start=1055
+  _globals['_RANKSTATUS']._serialized_end=1216
+  _globals['_STATUSREPLY']._serialized_start=1219
+  _globals['_STATUSREPLY']._serialized_end=1750
+  _globals['_MOUNTSTATUS']._serialized_start=1752
+  _globals['_MOUNTSTATUS']._serialized_end=1831
+  _globals['_GRANTREQUEST']._serialized_start=1833
+  _globals['_GRANTREQUEST']._serialized_end=1882
+  _globals['_GRANTREPLY']._serialized_start=1884
+  _globals['_GRANTREPLY']._serialized_end=1960
+  _globals['_WARMER']._serialized_start=1963
+  _globals['_WARMER']._serialized_end=2165
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class WarmRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., groups: _Optional[_Iterable[str]] = ..., file_index: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., group_index: _Optional[_Iterable[int]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class FilePlan(_message.Message):
-    __slots__ = ("path", "size_bytes", "needed_bytes", "num_runs", "cost_bytes", "decision", "warm_bytes", "warm_now_bytes", "stream_bytes_per_s", "seek_cost_bytes")
+    __slots__ = ("path", "size_bytes", "needed_bytes", "num_runs", "cost_bytes", "decision", "warm_bytes", "warm_now_bytes", "stream_bytes_per_s")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -43,7 +43,6 @@ class FilePlan(_message.Message):
     WARM_BYTES_FIELD_NUMBER: _ClassVar[int]
     WARM_NOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
-    SEEK_COST_BYTES_FIELD_NUMBER: _ClassVar[int]
     path: str
     size_bytes: int
     needed_bytes: int
@@ -53,8 +52,7 @@ class FilePlan(_message.Message):
     warm_bytes: int
     warm_now_bytes: int
     stream_bytes_per_s: float
-    seek_cost_bytes: int
-    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., num_runs: _Optional[int] = ..., cost_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., warm_bytes: _Optional[int] = ..., warm_now_bytes: _Optional[int] = ..., stream_bytes_per_s: _Optional[float] = ..., seek_cost_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., num_runs: _Optional[int] = ..., cost_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., warm_bytes: _Optional[int] = ..., warm_now_bytes: _Optional[int] = ..., stream_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("request_bytes", "seek_cost_bytes", "files", "request_id")
@@ -201,16 +199,14 @@ class StatusReply(_message.Message):
     def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., waiting_for_budget: _Optional[int] = ..., waiting_reason: _Optional[str] = ..., mounts: _Optional[_Iterable[_Union[MountStatus, _Mapping]]] = ...) -> None: ...
 
 class MountStatus(_message.Message):
-    __slots__ = ("mount", "stream_bytes_per_s", "sampled_bytes", "seek_cost_bytes")
+    __slots__ = ("mount", "stream_bytes_per_s", "sampled_bytes")
     MOUNT_FIELD_NUMBER: _ClassVar[int]
     STREAM_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SEEK_COST_BYTES_FIELD_NUMBER: _ClassVar[int]
     mount: str
     stream_bytes_per_s: float
     sampled_bytes: int
-    seek_cost_bytes: int
-    def __init__(self, mount: _Optional[str] = ..., stream_bytes_per_s: _Optional[float] = ..., sampled_bytes: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, mount: _Optional[str] = ..., stream_bytes_per_s: _Optional[float] = ..., sampled_bytes: _Optional[int] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
     __slots__ = ("descriptors", "last")

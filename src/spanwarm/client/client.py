@@ -213,6 +213,7 @@ class Ticket:
         if self._spans is None:
             return
         file_index, group_index, nbytes = self._spans
+        self._spans = None  # once: a million spans' columns are not kept for the load
         positions = {path: i for i, path in enumerate(sent)}
         rate = np.zeros(len(sent))
         for j, plan in enumerate(files):  # in request order, unless a file had no plan

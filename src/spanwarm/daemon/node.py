@@ -368,27 +368,16 @@ class Node:
             return
         ranges = _union((a, b) for a, b, _ in cell.warm)
         cell.read = False
-        if not ranges:
-            return
-        try:
-            fd = os.dup(file.fd)  # the file may be closed before the pool gets to it
-        except OSError:
-            return
-        try:
-            self._close_pool.submit(self._drop, fd, ranges)
-        except RuntimeError:  # shutting down
-            os.close(fd)
-
-    def _drop(self, fd: int, ranges: list[Range]) -> None:
-        """In the close pool: POSIX_FADV_DONTNEED (clean pages only; no I/O)."""
+        # Here, on the loop, not in a thread: no request can arrive and have these bytes
+        # warmed (and reported ready) between the check above and the drop. DONTNEED only
+        # drops clean pages of one cell: no I/O, microseconds.
         try:
             for start, stop in ranges:
-                os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_DONTNEED)
-            self.metrics.add(self.metrics.evicted, sum(b - a for a, b in ranges))
+                os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             logger.debug("evict-after-read: %s", exc)
-        finally:
-            os.close(fd)
+            return
+        self.metrics.add(self.metrics.evicted, sum(b - a for a, b in ranges))
 
     def _hold(self, key: CellKey, request: Request) -> None:
         self._holders.setdefault(key, {})[request] = time.monotonic()

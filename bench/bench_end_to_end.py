@@ -22,7 +22,9 @@ last run is read), time to each rank's first tensor, bytes read from storage (th
 mount's counter; on ``local`` the block device's read counter, which anything else reading
 meanwhile adds to), and peak page cache used by the checkpoint (sampled with mincore); for
 ``spanwarm`` also its warm phase (request to the last requested tensor ready, slowest
-rank). ``--json PATH`` writes each mount and layout's median walls and paired ratios.
+rank). Then, with every byte already resident, paired ``none`` and ``spanwarm`` runs
+(``--warm-reps``): what spanwarm costs when there is nothing to gain. ``--json PATH``
+writes each mount and layout's median walls and paired ratios.
 """
 
 from __future__ import annotations
@@ -200,12 +202,13 @@ def run_local_ranks(
     local_world: int,
     extra: tuple[str, ...] = (),
     stderr: int | None = None,
+    cold: bool = True,
 ) -> dict[str, Any]:
     """One arm on node 0: evict, run ``script`` as its ``local_world`` ranks started together
     at a file barrier, and measure. Each rank prints a JSON line ending with ``start`` and
     ``total_s``; those lines come back as ``results``, with the wall time from the first
     start to the last finish, bytes read from storage, peak page cache and node plan."""
-    for path in paths:
+    for path in paths if cold else ():
         evict(path)
     barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
     before = storage_bytes(paths, fs)
@@ -313,7 +316,9 @@ def run_limit(runs: list[tuple[str, int, int]], paths: list[Path], fs: Any) -> d
     }
 
 
-def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
+def run_arm(
+    arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any, *, cold: bool = True
+) -> dict[str, Any]:
     run = run_local_ranks(
         "e2e_rank.py",
         arm,
@@ -324,6 +329,7 @@ def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any)
         world=WORLD,
         local_world=LOCAL_WORLD,
         extra=("--experts", str(EXPERTS)),
+        cold=cold,
     )
     results = run.pop("results")
     warm = [r["warm_s"] for r in results if r.get("warm_s") is not None]
@@ -333,6 +339,28 @@ def run_arm(arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any)
         "request_s": [r["request_s"] for r in results],
         "warm_s": max(warm) if warm else None,
         "loaded_bytes": sum(r["bytes"] for r in results),
+    }
+
+
+def warm_cache(
+    reps: int, checkpoint: Path, paths: list[Path], socket: str, fs: Any
+) -> dict[str, float]:
+    """none and spanwarm with every byte already resident (nothing evicted, the node plan
+    read once first): what spanwarm costs when there is nothing to gain."""
+    if reps < 1:
+        return {}
+    read_runs([(str(p), 0, p.stat().st_size) for p in paths])
+    ratios, nones, spanwarms = [], [], []
+    for _ in range(reps):
+        none = run_arm("none", checkpoint, paths, socket, fs, cold=False)["wall_s"]
+        spanwarm = run_arm("spanwarm", checkpoint, paths, socket, fs, cold=False)["wall_s"]
+        nones.append(none)
+        spanwarms.append(spanwarm)
+        ratios.append(none / spanwarm)
+    return {
+        "none_s": statistics.median(nones),
+        "spanwarm_s": statistics.median(spanwarms),
+        "none/spanwarm": statistics.median(ratios),
     }
 
 
@@ -415,6 +443,12 @@ def main() -> None:
         "--json", type=Path, help="write each mount and layout's medians and paired ratios"
     )
     parser.add_argument(
+        "--warm-reps",
+        type=int,
+        default=3,
+        help="paired none/spanwarm runs with the checkpoint already resident (0: none)",
+    )
+    parser.add_argument(
         "--daemon-args", default="", help="extra `spanwarm serve` flags, e.g. '--method read'"
     )
     args = parser.parse_args()
@@ -448,11 +482,19 @@ def main() -> None:
                             f"{result['first_s']}, spans sent after {result['request_s']}",
                             flush=True,
                         )
+                warm = warm_cache(args.warm_reps, checkpoint, mounted_paths, daemon.socket, fs)
             label = (
                 f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}`"
             )
             lines += summarize(label, runs)
             figures.append({"mount": preset, "layout": layout, **paired(runs)})
+            if warm:
+                lines.append(
+                    f"Already resident (page cache warm, {args.warm_reps} paired runs): none "
+                    f"{warm['none_s']:.2f} s, spanwarm {warm['spanwarm_s']:.2f} s, median "
+                    f"none/spanwarm {warm['none/spanwarm']:.2f}x."
+                )
+                figures[-1]["warm_cache"] = warm
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:

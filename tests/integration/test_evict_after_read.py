@@ -68,3 +68,16 @@ def _drops_within(path: Path, offset: int, length: int, seconds: float) -> bool:
     except AssertionError:
         return False
     return True
+
+
+def test_the_last_reads_count_when_the_loader_cancels_right_after(tmp_path: Path) -> None:
+    """A load ends with consumed() then cancel(): the last batch of reports goes first."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 8 * MiB)
+    with running_daemon(*FLAGS, "--evict-after-read") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 8 * MiB)])
+        assert ticket.wait(timeout=30)
+        ticket.consumed(["a"])
+        ticket.cancel()
+        wait_for(lambda: resident(path, 0, 8 * MiB) == 0)
+        client.close()

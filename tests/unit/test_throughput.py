@@ -39,3 +39,34 @@ def test_throughput_needs_enough_cold_reads_and_weighs_recent_ones() -> None:
     learned.record(1, 1 << 20, 0.0)  # never a sample
     learned.record(1, 4096, 1.0)  # too small to say anything of a stream
     assert learned.bytes_per_s(1) == pytest.approx((64 << 20) / 3.2, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"version": 1, "mounts": {"m": {"weighted_bytes": 1' + "0" * 400 + ", "
+        '"weighted_seconds": 1, "total_bytes": 1}}}',
+        "[" * 100_000 + "]" * 100_000,
+        '{"version": 1, "mounts": {"m": {"weighted_bytes": 1e300, "weighted_seconds": 1e-300, '
+        '"total_bytes": 1000000000}}}',
+        '{"version": 2, "mounts": {}}',
+        "not json",
+    ],
+)
+def test_a_damaged_state_file_starts_over(tmp_path: Path, content: str) -> None:
+    (tmp_path / "devices.json").write_text(content)
+    (tmp_path / "devices.json").chmod(0o600)
+    learned = StreamThroughput(str(tmp_path))
+    assert all(rate == 0.0 for _, rate, _ in learned.snapshot())
+
+
+def test_what_was_learned_is_read_back(tmp_path: Path) -> None:
+    first = StreamThroughput(str(tmp_path))
+    for _ in range(4):
+        first.record(os.makedev(0, 52), 4 << 20, 0.02)
+    first.save()
+    assert (tmp_path / "devices.json").stat().st_mode & 0o077 == 0
+    again = StreamThroughput(str(tmp_path))
+    assert again.snapshot() == first.snapshot()
+    (tmp_path / "devices.json").chmod(0o666)  # writable by others: not trusted
+    assert StreamThroughput(str(tmp_path)).snapshot() == []

@@ -180,19 +180,24 @@ class Ticket:
         timer.daemon = True
         timer.start()
 
-    def _flush(self) -> None:
+    def _flush(self, wait: bool = False) -> None:
         with self._cond:
             self._flushing = False
             batch, self._unreported = self._unreported, []
             request_id, report = self._request_id, self._report
         if batch and request_id is not None and report is not None:
             try:
-                report(request_id, batch)
+                sent = report(request_id, batch)
+                if wait:
+                    sent.result(timeout=1.0)
             except Exception as exc:  # the client was closed, the channel is gone: moot
                 logger.debug("spanwarm: Consumed not sent: %s", exc)
 
     def cancel(self) -> None:
-        """Withdraw the request: the daemon drops warming only it needed."""
+        """Withdraw the request: the daemon drops warming only it needed. Reads reported
+        and not yet sent go first (and are waited for, briefly): ended, the request could
+        not take them, and ``--evict-after-read`` would keep what they read."""
+        self._flush(wait=True)
         if self._call is not None:
             self._call.cancel()
         self._release()
@@ -539,13 +544,14 @@ class Client:
         stub = self._stub()
         token = ticket._token
 
-        def report(request_id: int, groups: list[int]) -> None:
+        def report(request_id: int, groups: list[int]) -> Any:
             # Fire and forget: the loader must not wait for the daemon between tensors.
             future = stub.Consumed.future(
                 warmer_pb2.ConsumedRequest(request_id=request_id, groups=groups, token=token),
                 timeout=self.timeout,
             )
             future.add_done_callback(_log_consumed_error)
+            return future
 
         with ticket._cond:
             ticket._request_id, ticket._report = request_id, report

@@ -368,6 +368,9 @@ class Node:
             return
         ranges = _union((a, b) for a, b, _ in cell.warm)
         cell.read = False
+        # Forget them too: a request already arriving (still being admitted, not yet among
+        # the file's users) must not count these bytes as warmed for it.
+        cell.warm.clear()
         # Here, on the loop, not in a thread: no request can arrive and have these bytes
         # warmed (and reported ready) between the check above and the drop. DONTNEED only
         # drops clean pages of one cell: no I/O, microseconds.

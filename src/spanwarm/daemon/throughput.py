@@ -46,6 +46,7 @@ _MIN_BYTES = 8 << 20  # not known until this much has been read cold on the moun
 _STATE_FILE = "devices.json"
 _MAX_STATE_BYTES = 1 << 20
 _MAX_MOUNTS = 1024  # a state file names at most this many mounts (the most sampled)
+_MAX_RATE = 1e12  # bytes per second: past it, a figure is not believed
 
 
 def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
@@ -77,7 +78,10 @@ class _Mount:
     def bytes_per_s(self) -> float:
         if self.total_bytes < _MIN_BYTES or self.weighted_seconds <= 0:
             return 0.0
-        return self.weighted_bytes / self.weighted_seconds
+        rate = self.weighted_bytes / self.weighted_seconds
+        # No storage streams a TB/s: anything faster is a damaged record, and would make
+        # every rank stop waiting at once.
+        return rate if math.isfinite(rate) and rate <= _MAX_RATE else 0.0
 
 
 class StreamThroughput:
@@ -174,11 +178,14 @@ class StreamThroughput:
             return
         try:
             with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                    raise ValueError("not the daemon's own file, or writable by others")
                 raw = f.read(_MAX_STATE_BYTES + 1)
             if len(raw) > _MAX_STATE_BYTES:
                 raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
             self._mounts = _parse(json.loads(raw))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except Exception as exc:  # whatever is in it: start over, never fail to start
             logger.warning("ignoring %s (learned throughput starts over): %s", path, exc)
             self._mounts = {}
 
@@ -193,9 +200,9 @@ def _parse(document: Any) -> dict[str, _Mount]:
     for name, entry in list(mounts.items())[:_MAX_MOUNTS]:
         values = (entry["weighted_bytes"], entry["weighted_seconds"], entry["total_bytes"])
         if not isinstance(name, str) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 2**63
             for v in values
         ):
-            raise ValueError(f"mount {name!r}: not three finite non-negative numbers")
+            raise ValueError(f"mount {name!r}: not three numbers from 0 to 2**63")
         out[name] = _Mount(float(values[0]), float(values[1]), int(values[2]))
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from spanwarm.client import Client
@@ -97,3 +98,24 @@ def test_a_state_file_that_does_not_parse_is_ignored(tmp_path: Path) -> None:
         assert [f["stream_bytes_per_s"] for f in ticket.plan] == [0.0]
         client.close()
     assert "devices.json (learned throughput starts over)" in log.read_text()
+
+
+def test_a_tensor_already_in_the_page_cache_is_read_at_once(tmp_path: Path) -> None:
+    """The daemon's one worker is busy for seconds with another load; a tensor already
+    resident is not worth waiting for, and is not reported ready by the daemon either."""
+    busy = cold_file(tmp_path / "busy.safetensors", 32 * MiB, seed=5)
+    warm = cold_file(tmp_path / "warm.safetensors", 8 * MiB, seed=6)
+    warm.read_bytes()  # now resident
+    with running_daemon(*FLAGS, "--throttle", "1MiB") as daemon:
+        other, client = Client(daemon.socket), Client(daemon.socket)
+        slow = other.request([span("x", busy, 0, 32 * MiB)], rank=0)
+        while not slow.plan:  # its first 4 MiB read (4 s at 1 MiB/s) holds the worker
+            time.sleep(0.01)
+        ticket = client.request([span("w", warm, 0, 8 * MiB)], rank=1)
+        outcome = ticket.wait_for_read("w", timeout=60)
+        assert outcome == "read"
+        assert not ticket.ready("w")  # nothing said it was warmed: it simply was resident
+        slow.cancel()
+        ticket.cancel()
+        other.close()
+        client.close()

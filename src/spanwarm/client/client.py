@@ -36,6 +36,7 @@ from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
+from spanwarm.residency import resident_bytes
 from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["Client", "Progress", "Ticket", "message_dict"]
@@ -99,6 +100,9 @@ class Ticket:
         self._stalled = False  # released by the watchdog
         self._bytes_done = -1  # the node's counter in the last heartbeat
         self._spans: tuple[Any, Any, Any] | None = None  # (file, group, bytes) per span
+        # Per tensor and file, the first and last byte it names: (paths, per-tensor
+        # offsets into the rest, file, lo, hi), for _resident.
+        self._envelopes: tuple[list[str], Any, Any, Any, Any] | None = None
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
@@ -137,8 +141,15 @@ class Ticket:
             return "ready"
         start = time.monotonic()
         limit = np.inf if timeout is None else start + timeout
-        with self._cond:
-            while self._state[i] == _PENDING:
+        checked = False  # residency, once the spans are indexed (before the plan comes)
+        while True:
+            if not checked and self._envelopes is not None:
+                checked = True
+                if self._state[i] == _PENDING and self._resident(i):
+                    return "read"  # in the page cache already: nothing to wait for
+            with self._cond:
+                if self._state[i] != _PENDING:
+                    return "ready"
                 # Re-read each time: the plan (and with it this estimate) may arrive later.
                 yours = start + float(self._read_yourself_s[i])
                 now = time.monotonic()
@@ -146,7 +157,29 @@ class Ticket:
                     return "read" if yours <= limit else "timeout"
                 until = min(yours, limit)
                 self._cond.wait(None if until == np.inf else until - now)
-        return "ready"
+
+    def _resident(self, group: int) -> bool:
+        """Whether every byte of the tensor's span envelopes is in the page cache (so the
+        rank reads it at memory speed; nothing the daemon does could make it sooner).
+        False whenever it cannot tell."""
+        envelopes = self._envelopes
+        if envelopes is None:
+            return False
+        paths, ptr, file_of, lo, hi = envelopes
+        for k in range(int(ptr[group]), int(ptr[group + 1])):
+            try:
+                fd = os.open(paths[int(file_of[k])], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                return False
+            try:
+                length = int(hi[k] - lo[k])
+                if resident_bytes(fd, int(lo[k]), length) < length:
+                    return False
+            except (OSError, ValueError):
+                return False
+            finally:
+                os.close(fd)
+        return int(ptr[group + 1]) > int(ptr[group])
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, released, or not part of the request."""
@@ -437,12 +470,8 @@ class Client:
             request = self._prove(ticket, request)
             if request is None:
                 return
-            ticket._spans = (  # as sent: _prove renumbers the files when one would not open
-                np.asarray(request.file_index, dtype=np.int64),
-                np.asarray(request.group_index, dtype=np.int64),
-                np.asarray(request.length, dtype=np.float64)
-                * np.asarray(request.count, dtype=np.float64),
-            )
+            if self.read_yourself:  # as sent: _prove renumbers files when one would not open
+                _index_spans(ticket, request)
             call = self._stub().Warm(request, timeout=self.stream_timeout)
             ticket._call = call
             for event in call:
@@ -581,6 +610,26 @@ class Client:
         ticket = Ticket(names, [0] * len(names))
         ticket._release()
         return ticket
+
+
+def _index_spans(ticket: Ticket, request: Any) -> None:
+    """What ``Ticket.wait_for_read`` needs of the request's spans: bytes per span (for
+    the read times) and each tensor's envelope per file (for residency)."""
+    file_index = np.asarray(request.file_index, dtype=np.int64)
+    group_index = np.asarray(request.group_index, dtype=np.int64)
+    offset = np.asarray(request.offset, dtype=np.int64)
+    length = np.asarray(request.length, dtype=np.int64)
+    stride = np.asarray(request.stride, dtype=np.int64)
+    count = np.asarray(request.count, dtype=np.int64)
+    ticket._spans = (file_index, group_index, (length * count).astype(np.float64))
+    end = offset + np.maximum(count - 1, 0) * stride + length
+    order = np.lexsort((file_index, group_index))
+    g, f = group_index[order], file_index[order]
+    heads = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (f[1:] != f[:-1])]) if len(g) else g
+    lo = np.minimum.reduceat(offset[order], heads) if len(g) else offset
+    hi = np.maximum.reduceat(end[order], heads) if len(g) else end
+    ptr = np.searchsorted(g[heads], np.arange(len(ticket._names) + 1))
+    ticket._envelopes = (list(request.files), ptr, f[heads], lo, hi)
 
 
 def _log_consumed_error(future: Any) -> None:

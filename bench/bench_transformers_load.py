@@ -11,7 +11,11 @@ cache, interleaved per repetition:
 
 - (a) ``none``: transformers alone;
 - (b) ``whole``: the seed's base PR, ``files[local_rank::local_world]`` read whole first;
-- (c) ``spanwarm``: ``spanwarm.integrations.transformers`` enabled, a daemon on the node.
+- (c) ``spanwarm``: ``spanwarm.integrations.transformers`` enabled, a daemon on the node;
+- (d) ``limit``: what the storage allows for exactly the bytes spanwarm reads: the node
+  plan's runs (the two ranks' spans from transformers on meta, ``spanwarm plan``'s
+  what-if, through the cost model) read by the best raw reader of the mount
+  (``bench_end_to_end.read_runs``: 8 streams, 8 MiB operations, no daemon, no loader).
 
 Reported per arm: wall time from both ranks starting (after imports) until both have
 loaded, bytes read from storage (the emulated mount's counter; on ``local`` the block
@@ -39,13 +43,15 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, its par
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.bench_end_to_end import mounted, run_local_ranks  # noqa: E402
+from bench.bench_end_to_end import mounted, run_limit, run_local_ranks  # noqa: E402
 from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
+from spanwarm.planner import plan_node_spans  # noqa: E402
+from spanwarm.safetensors_header import open_checkpoint  # noqa: E402
 from spanwarm.sample_checkpoint import write_sharded_checkpoint  # noqa: E402
 from spanwarm.units import format_bytes  # noqa: E402
 
-WORLD, LOCAL_WORLD = 16, 2
-ARMS = ("none", "whole", "spanwarm")
+WORLD, LOCAL_WORLD, EP = 16, 2, 4  # DistributedConfig(fsdp_size=WORLD, ep_size=EP)
+ARMS = ("none", "whole", "spanwarm", "limit")
 
 
 def build_model(directory: Path) -> list[Path]:
@@ -93,6 +99,22 @@ def build_model(directory: Path) -> list[Path]:
     return paths
 
 
+def node_runs(model: Path) -> list[tuple[str, int, int]]:
+    """The node plan's runs for node 0's ranks, as transformers would have them read."""
+    from spanwarm.integrations.transformers.whatif import rank_load_spans
+
+    checkpoint = open_checkpoint(model)
+    sizes = {"fsdp_size": WORLD, "ep_size": EP}
+    spans = rank_load_spans(model, checkpoint, sizes, world=WORLD, ranks=range(LOCAL_WORLD))
+    plan = plan_node_spans(
+        checkpoint,
+        (s for rank in spans.values() for s in rank),
+        node=0,
+        ranks=list(range(LOCAL_WORLD)),
+    )
+    return [(f.path, a, b) for f in plan.files for a, b in f.runs.pairs()]
+
+
 def run_arm(arm: str, model: Path, paths: list[Path], socket: str, fs: Any) -> dict[str, Any]:
     run = run_local_ranks(
         "tf_load_rank.py",
@@ -137,13 +159,13 @@ def summarize(label: str, runs: list[dict[str, Any]], total: int) -> list[str]:
         arm: statistics.median(
             by_arm[arm][i]["wall_s"] / by_arm["spanwarm"][i]["wall_s"] for i in range(reps)
         )
-        for arm in ("none", "whole")
+        for arm in ("none", "whole", "limit")
     }
     planned = statistics.median(r["planned_bytes"] for r in by_arm["spanwarm"])
     lines.append(
         f"\nPaired ratios (same repetition), median: (a)/(c) = {ratio['none']:.2f}x, "
-        f"(b)/(c) = {ratio['whole']:.2f}x. The node plan held {format_bytes(int(planned))} "
-        f"of the {format_bytes(total)} checkpoint."
+        f"(b)/(c) = {ratio['whole']:.2f}x, (c)/(d) = {1 / ratio['limit']:.2f}x. The node "
+        f"plan held {format_bytes(int(planned))} of the {format_bytes(total)} checkpoint."
     )
     return lines
 
@@ -173,10 +195,18 @@ def main() -> None:
             spawn_daemon("--log-level", "warning") as daemon,
         ):
             mounted_paths = sorted(model.glob("*.safetensors"))
+            limit_runs = node_runs(model)
             runs = []
             for rep in range(args.reps):
                 for arm in rng.sample(ARMS, len(ARMS)):
-                    run = run_arm(arm, model, mounted_paths, daemon.socket, fs)
+                    if arm == "limit":
+                        run = {
+                            **run_limit(limit_runs, mounted_paths, fs),
+                            "waited_s": [0.0] * LOCAL_WORLD,
+                            "requested_bytes": 0,
+                        }
+                    else:
+                        run = run_arm(arm, model, mounted_paths, daemon.socket, fs)
                     print(f"{preset} rep {rep} {arm}: {run['wall_s']:.2f} s", flush=True)
                     runs.append(run)
             lines += summarize(

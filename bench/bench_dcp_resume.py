@@ -46,7 +46,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, its parent is not
     sys.path.insert(0, str(ROOT))
 
-from bench.bench_end_to_end import mounted, run_local_ranks  # noqa: E402
+from bench.bench_end_to_end import mounted, run_local_ranks, settle  # noqa: E402
 from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
 from spanwarm.units import format_bytes  # noqa: E402
 
@@ -82,13 +82,7 @@ def build_checkpoint(directory: Path) -> list[Path]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     paths = checkpoint_files(directory)
-    for path in paths:
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-            # Read it back once: the first read of fresh data is slower on this VM (host
-            # cache, write-back), which would penalise whichever arm happens to run first.
-            while f.read(64 * 2**20):
-                pass
+    settle(paths)
     marker.touch()
     return paths
 

@@ -106,15 +106,20 @@ def build_checkpoint(directory: Path, layout: str) -> list[Path]:
     tensors["lm_head.weight"] = tensor(VOCAB, HIDDEN)
     total = sum(len(t[2]) for t in tensors.values())
     paths = write_sharded_checkpoint(directory, tensors, shard_bytes=total // 10 + 1)
-    for path in paths:
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-            # Read it back once: the first read of fresh data is slower on this VM (host
-            # cache, write-back), which would penalise whichever arm happens to run first.
-            while f.read(64 * 2**20):
-                pass
+    settle(paths)
     marker.touch()
     return paths
+
+
+def settle(paths: list[Path]) -> None:
+    """Sync freshly written files and read them back once: the first read of fresh data
+    is slower on this VM (host cache, write-back), which would penalise whichever arm
+    happens to run first."""
+    for path in paths:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            while f.read(64 * 2**20):
+                pass
 
 
 class CacheSampler:

@@ -11,7 +11,6 @@ requested, the daemon reported every item warm, and the loaded values are the or
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.daemon_harness import running_daemon
 from tests.integration.test_transformers_integration import _intervals, _uncovered
+from tests.integration.torchrun import RANKS, run_ranks
 
 WORKER = Path(__file__).with_name("dcp_rank.py")
-RANKS = 4
 CASES = [
     f"{fmt}-{layout}-{how}"
     for fmt in ("hf", "hf_consolidated", "native")
@@ -38,28 +36,7 @@ KINDS = {"hf": "safetensors", "hf_consolidated": "safetensors", "native": "nativ
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dcp")
-    repo = str(Path(__file__).parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
-    with running_daemon() as daemon:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(RANKS),
-                str(WORKER),
-                str(root),
-                daemon.socket,
-            ],
-            env=env,
-            timeout=600,
-            capture_output=True,
-            text=True,
-            cwd=repo,
-        )
-    assert run.returncode == 0, run.stderr[-6000:]
+    run_ranks(WORKER, str(root))
     return root
 
 

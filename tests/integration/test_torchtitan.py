@@ -10,9 +10,6 @@ the HF import (``initial_load_in_hf``: ``dcp.load`` with its adapter's
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,38 +17,16 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchtitan", reason="make test installs torchtitan 0.3.0 (--no-deps)")
 
-from tests.daemon_harness import running_daemon
 from tests.integration.test_dcp_integration import _covered
+from tests.integration.torchrun import RANKS, run_ranks
 
 WORKER = Path(__file__).with_name("torchtitan_rank.py")
-RANKS = 4
 
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("titan")
-    repo = str(Path(__file__).parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
-    with running_daemon() as daemon:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(RANKS),
-                str(WORKER),
-                str(root),
-                daemon.socket,
-            ],
-            env=env,
-            timeout=600,
-            capture_output=True,
-            text=True,
-            cwd=repo,
-        )
-    assert run.returncode == 0, run.stderr[-6000:]
+    run_ranks(WORKER, str(root))
     return root
 
 

@@ -12,7 +12,6 @@ original.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +21,11 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-from tests.daemon_harness import running_daemon
 from tests.integration.test_dcp_integration import _covered, _union_bytes
+from tests.integration.torchrun import RANKS, run_ranks
 from tests.tiny_models import build_model, reference_path
 
 WORKER = Path(__file__).with_name("transformers_dcp_rank.py")
-RANKS = 4
 MODELS = (("llama", "dense"), ("mixtral", "per_expert"))
 CASES = [f"{m}-{layout}-{loaded}" for m, layout in MODELS for loaded in ("tp4", "fsdp4")]
 
@@ -46,29 +44,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
         )
     (root / "cases.json").write_text(json.dumps(cases))
-    repo = str(Path(__file__).parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": repo}
-    with running_daemon() as daemon:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(RANKS),
-                str(WORKER),
-                str(root / "cases.json"),
-                str(root),
-                daemon.socket,
-            ],
-            env=env,
-            timeout=600,
-            capture_output=True,
-            text=True,
-            cwd=repo,
-        )
-    assert run.returncode == 0, run.stderr[-6000:]
+    run_ranks(WORKER, str(root / "cases.json"), str(root))
     return root
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ pytest.importorskip("torch")
 
 from spanwarm.integrations.transformers.whatif import rank_load_spans
 from spanwarm.safetensors_header import open_checkpoint
-from tests.daemon_harness import running_daemon
+from tests.integration.torchrun import RANKS, run_ranks
 from tests.tiny_models import (
     DENSE_CONFIGS,
     MODELS,
@@ -35,7 +33,6 @@ from tests.tiny_models import (
 )
 
 WORKER = Path(__file__).with_name("transformers_rank.py")
-RANKS = 4
 # BERT has no tensor-parallel plan of its own: the TP case brings one, as a user would.
 BERT_TP_PLAN = {
     "encoder.layer.*.attention.self.query": "colwise",
@@ -104,30 +101,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tf")
     cases = _cases(root)
     (root / "cases.json").write_text(json.dumps(cases))
-    # The worker imports tests.integration.read_recorder: the repository root on the path.
-    repo = str(Path(__file__).parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": repo}
-    with running_daemon() as daemon:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(RANKS),
-                str(WORKER),
-                str(root / "cases.json"),
-                str(root),
-                daemon.socket,
-            ],
-            env=env,
-            timeout=600,
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parents[2],
-        )
-    assert run.returncode == 0, run.stderr[-6000:]
+    run_ranks(WORKER, str(root / "cases.json"), str(root))
     return root
 
 

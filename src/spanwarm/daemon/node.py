@@ -462,7 +462,7 @@ class Node:
             return
         for file in request.files:
             if file.failed:  # it changed before this request got its plan: nothing to warm
-                for key in [k for k in request.pending if k[0] is file]:
+                for key in request.pending.in_file(file):
                     self._fail(request, key, "ABORTED", "changed while warming")
         for key in request.cells:
             if key not in request.pending:
@@ -1020,7 +1020,7 @@ class Node:
         logger.warning("%s: %s", file.path, cause)
         file.failed = True  # never planned again; a new request opens the file anew
         for request in list(self._users.get(file, ())):
-            for key in [k for k in request.pending if k[0] is file]:
+            for key in request.pending.in_file(file):
                 self._fail(request, key, code, cause)
                 cell = self._cells.get(key)
                 if cell is not None:

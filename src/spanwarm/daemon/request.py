@@ -8,11 +8,10 @@ a million spans costs a few hundred bytes per cell, not a Python object per span
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,15 +168,42 @@ class Request:
         self.holding: set[CellKey] = set()  # warmed for it, not yet reported read
         self.unheld = asyncio.Event()  # set while it holds nothing: its stream may end
         self.unheld.set()
-        self.cells: list[CellKey] = [
-            (files[f], c)
-            for f, c in zip(file_id[heads].tolist(), cell[heads].tolist(), strict=True)
-        ]
-        self._row = {key: row for row, key in enumerate(self.cells)}
-        self.queue: collections.deque[CellKey] = collections.deque(
-            self.cells[row] for row in np.argsort(first_span, kind="stable").tolist()
-        )
-        self.pending: set[CellKey] = set(self.cells)
+        # Rows are sorted by (file, cell): a cell's row is a binary search in its file's
+        # slice, so no Python object per row (a dict and a set of tuples cost ~200 B/row).
+        self._files = files
+        self._file_index = {file: i for i, file in enumerate(files)}
+        self._row_cell = cell[heads]
+        self._file_rows = np.searchsorted(file_id[heads], np.arange(len(files) + 1))
+        self.pending = _RowSet(self)
+        self.queue = _RowQueue(self, np.argsort(first_span, kind="stable"))
+
+    def row_of(self, key: CellKey) -> int | None:
+        """The row of a cell this request touches (None when it touches no byte there)."""
+        index = self._file_index.get(key[0])
+        if index is None:
+            return None
+        start, stop = int(self._file_rows[index]), int(self._file_rows[index + 1])
+        row = start + int(np.searchsorted(self._row_cell[start:stop], key[1]))
+        return row if row < stop and int(self._row_cell[row]) == key[1] else None
+
+    def key_of(self, row: int) -> CellKey:
+        index = int(np.searchsorted(self._file_rows, row, side="right")) - 1
+        return self._files[index], int(self._row_cell[row])
+
+    @property
+    def cells(self) -> Iterator[CellKey]:
+        """Every cell it touches, in file order (built on the fly)."""
+        for index, file in enumerate(self._files):
+            start, stop = int(self._file_rows[index]), int(self._file_rows[index + 1])
+            for cell in self._row_cell[start:stop].tolist():
+                yield file, cell
+
+    def cells_in(self, file: OpenFile) -> npt.NDArray[np.int64]:
+        """Its rows in one file."""
+        index = self._file_index.get(file)
+        if index is None:
+            return np.zeros(0, np.int64)
+        return np.arange(int(self._file_rows[index]), int(self._file_rows[index + 1]))
 
     def consume(self, groups: Iterable[int]) -> list[CellKey]:
         """Mark groups read; return the cells in which nothing of this request is left
@@ -198,11 +224,11 @@ class Request:
         rows = self._rows_by_group[np.repeat(starts, per) + run_offsets(per)]
         np.subtract.at(self._unread, rows, 1)
         touched = np.unique(rows)
-        return [self.cells[int(row)] for row in touched[self._unread[touched] == 0]]
+        return [self.key_of(int(row)) for row in touched[self._unread[touched] == 0]]
 
     def unread_in(self, key: CellKey) -> bool:
         """Whether some group of this request with bytes in the cell is not reported read."""
-        row = self._row.get(key)
+        row = self.row_of(key)
         return row is not None and bool(self._unread[row] > 0)
 
     def groups_touching(self, file: OpenFile, start: int, stop: int) -> npt.NDArray[np.int64]:
@@ -215,7 +241,7 @@ class Request:
     def group_cells(self, group: int) -> list[CellKey]:
         """The cells the group's spans touch, in file order."""
         rows = self._rows_by_group[self._rows_ptr[group] : self._rows_ptr[group + 1]]
-        return [self.cells[int(row)] for row in rows]
+        return [self.key_of(int(row)) for row in rows]
 
     def serves_group(self, key: CellKey, group: int) -> bool:
         return bool((self.cell_groups(key) == group).any())
@@ -241,12 +267,18 @@ class Request:
         return True
 
     def hull(self, key: CellKey) -> Range:
-        row = self._row[key]
+        row = self._row(key)
         return int(self.hull_lo[row]), int(self.hull_hi[row])
 
     def cell_groups(self, key: CellKey) -> npt.NDArray[np.int32]:
-        row = self._row[key]
+        row = self._row(key)
         return self._group_flat[self._group_ptr[row] : self._group_ptr[row + 1]]
+
+    def _row(self, key: CellKey) -> int:
+        row = self.row_of(key)
+        if row is None:
+            raise KeyError(key)
+        return row
 
     @property
     def spans(self) -> int:
@@ -265,3 +297,59 @@ class Request:
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+
+class _RowSet:
+    """The cells a request still waits for, as one flag per row: ``in``, ``discard``,
+    ``len`` and iteration, like the set of keys it replaces."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._flag = np.ones(len(request._row_cell), dtype=bool)
+        self._count = len(self._flag)
+
+    def __contains__(self, key: CellKey) -> bool:
+        row = self._request.row_of(key)
+        return row is not None and bool(self._flag[row])
+
+    def discard(self, key: CellKey) -> None:
+        row = self._request.row_of(key)
+        if row is not None and self._flag[row]:
+            self._flag[row] = False
+            self._count -= 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[CellKey]:
+        for row in np.flatnonzero(self._flag).tolist():
+            yield self._request.key_of(row)
+
+    def in_file(self, file: OpenFile) -> list[CellKey]:
+        rows = self._request.cells_in(file)
+        return [self._request.key_of(int(row)) for row in rows[self._flag[rows]]]
+
+
+class _RowQueue:
+    """A request's cells in the order its spans come, as an array of rows and a cursor;
+    cells pushed back to the front (``appendleft``) go first."""
+
+    def __init__(self, request: Request, order: npt.NDArray[np.int64]) -> None:
+        self._request = request
+        self._order = order
+        self._at = 0
+        self._back: list[CellKey] = []
+
+    def __len__(self) -> int:
+        return len(self._order) - self._at + len(self._back)
+
+    def popleft(self) -> CellKey:
+        if self._back:
+            return self._back.pop()
+        if self._at >= len(self._order):
+            raise IndexError("pop from an empty queue")
+        self._at += 1
+        return self._request.key_of(int(self._order[self._at - 1]))
+
+    def appendleft(self, key: CellKey) -> None:
+        self._back.append(key)

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from spanwarm.daemon.access import AccessServer
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.grants import Grants
+from spanwarm.daemon.heap import configure_heap
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.notify import notify
 from spanwarm.daemon.service import WARMER, WarmerService
@@ -227,5 +228,6 @@ def run(config: DaemonConfig) -> int:
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:
         loop_factory = None
+    configure_heap()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(serve(config))

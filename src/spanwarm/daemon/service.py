@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
-import gc
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
@@ -37,6 +35,7 @@ from spanwarm.costmodel import FilePlan
 from spanwarm.daemon.admission import Adopted, admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.grants import Grant, Grants, same_token
+from spanwarm.daemon.heap import trim_heap
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.request import FAILED, READY, Event, Request
 from spanwarm.errors import (
@@ -49,11 +48,6 @@ from spanwarm.errors import (
 from spanwarm.rpc.v1 import warmer_pb2
 
 __all__ = ["HEARTBEAT_SECONDS", "WARMER", "WarmerService"]
-
-try:
-    _malloc_trim: Any = ctypes.CDLL(None).malloc_trim  # glibc only
-except AttributeError:
-    _malloc_trim = None
 
 logger = logging.getLogger("spanwarm.daemon")
 
@@ -217,6 +211,9 @@ class WarmerService:
                         yield self._heartbeat()
                     live = beat
             assert live is not None
+            # The stream may live for the whole load: keep the compact request, not the
+            # message (a million spans decode to ~50 MB) nor its bytes.
+            del data, request, admission
         except (asyncio.CancelledError, grpc.aio.AbortError):
             if grant is not None:
                 self.grants.finished(grant)
@@ -299,7 +296,7 @@ class WarmerService:
     def _trim(self) -> None:
         self._trim_pending = False
         with contextlib.suppress(RuntimeError):  # the pool has shut down: we are exiting
-            self.node.admission_pool.submit(_trim_heap, collect=True)
+            self.node.admission_pool.submit(trim_heap, collect=True)
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:
         """Register the request, send its plan, then its events until it is done and the
@@ -377,7 +374,7 @@ class WarmerService:
             raise
         finally:
             if admitted.spans and sum(len(t) for t in admitted.spans.values()) > _LARGE:
-                _trim_heap(collect=False)  # the decoding and validation temporaries
+                trim_heap(collect=False)  # the decoding and validation temporaries
         return live
 
     async def Consumed(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
@@ -491,16 +488,6 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
     """Mark an abandoned future's outcome as seen (asyncio would log it as never retrieved)."""
     if not future.cancelled():
         future.exception()
-
-
-def _trim_heap(*, collect: bool) -> None:
-    """Give the memory of a large request back to the system: glibc keeps freed heap
-    memory otherwise (a 1M-span request would leave ~200 MB of RSS behind), and a cycle
-    waits for the collector. Runs in a worker thread."""
-    if collect:
-        gc.collect()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 def _coalesce(live: Request, first: Event) -> list[Any]:

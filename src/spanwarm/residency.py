@@ -9,13 +9,21 @@ privileged, so check :func:`residency_trusted` before believing it.
 from __future__ import annotations
 
 import os
+import stat
 import time
 
 import numpy as np
 
 from spanwarm.memory_map import mapped, mincore
 
-__all__ = ["PAGE", "evict", "file_residency", "residency_trusted", "resident_bytes"]
+__all__ = [
+    "PAGE",
+    "evict",
+    "file_residency",
+    "missing_bytes",
+    "residency_trusted",
+    "resident_bytes",
+]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -48,6 +56,40 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
     if bits[-1]:
         resident -= start + pages * PAGE - end
     return resident
+
+
+_WINDOW = 4 * 2**30  # missing_bytes maps and checks the hull this much at a time
+
+
+def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per range ``[lo[i], hi[i])`` of open regular file ``fd``: bytes on pages not in the
+    page cache (whole pages, so a partly covered page counts in full; bytes past the end
+    of the file count as missing). The ranges' hull is checked with one ``mincore`` per
+    4 GiB window, so memory stays small whatever the file."""
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file: its residency means nothing")
+    size = st.st_size
+    missing = np.maximum(hi - np.maximum(lo, size), 0)  # past the end of the file
+    keep = (hi > lo) & (lo < size)
+    if not keep.any():
+        return np.where(hi > lo, missing, 0)
+    first = lo // PAGE  # first page of each range, and one past its last page in the file
+    last = (np.minimum(hi, size) - 1) // PAGE + 1
+    start = int(first[keep].min()) * PAGE
+    stop = int(np.minimum(hi, size)[keep].max())
+    for window in range(start, stop, _WINDOW):
+        end = min(window + _WINDOW, stop)
+        with mapped(fd, window, end - window) as addr:
+            vec = mincore(addr, end - window)
+        absent = np.zeros(len(vec) + 1, dtype=np.int64)
+        np.cumsum((np.frombuffer(vec, dtype=np.uint8) & 1) == 0, out=absent[1:])
+        base = window // PAGE
+        a = np.clip(first - base, 0, len(vec))
+        b = np.clip(last - base, 0, len(vec))
+        missing += np.where(keep & (b > a), (absent[b] - absent[a]) * PAGE, 0)
+    return np.where(hi > lo, missing, 0)
 
 
 def residency_trusted(path_or_fd: int | str | os.PathLike[str]) -> bool:

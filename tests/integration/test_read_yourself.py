@@ -17,7 +17,7 @@ from pathlib import Path
 from spanwarm.client import Client
 from spanwarm.daemon.throughput import mount_name
 from tests.daemon_harness import cold_file, running_daemon
-from tests.integration.test_daemon import MiB, span
+from tests.integration.test_daemon import MiB, resident, span
 
 FLAGS = ("--method", "read", "--workers", "1", "--chunk-size", "4MiB", "--seek-cost", "0")
 
@@ -111,11 +111,55 @@ def test_a_tensor_already_in_the_page_cache_is_read_at_once(tmp_path: Path) -> N
         slow = other.request([span("x", busy, 0, 32 * MiB)], rank=0)
         while not slow.plan:  # its first 4 MiB read (4 s at 1 MiB/s) holds the worker
             time.sleep(0.01)
-        ticket = client.request([span("w", warm, 0, 8 * MiB)], rank=1)
+        # One more tensor, cold, so that the request does go to the daemon.
+        tensors = [span("w", warm, 0, 4 * MiB), span("c", busy, 0, 4 * MiB)]
+        ticket = client.request(tensors, rank=1)
         outcome = ticket.wait_for_read("w", timeout=60)
         assert outcome == "read"
         assert not ticket.ready("w")  # nothing said it was warmed: it simply was resident
         slow.cancel()
         ticket.cancel()
         other.close()
+        client.close()
+
+
+def test_a_rank_with_everything_resident_reads_at_once_and_still_asks(tmp_path: Path) -> None:
+    """Nothing to wait for, yet the request goes out (status and dedupe stay whole), and
+    the daemon finds the bytes warm without reading them."""
+    path = cold_file(tmp_path / "warm.safetensors", 8 * MiB, seed=7)
+    path.read_bytes()
+    with running_daemon(*FLAGS, "--throttle", "1MiB") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 4 * MiB), span("b", path, 4 * MiB, 4 * MiB)])
+        assert [ticket.wait_for_read(name, timeout=60) for name in ("a", "b")] == ["read"] * 2
+        assert ticket.wait(timeout=60)
+        assert ticket.progress.ready == 2
+        status = client.status()
+        assert status["bytes_read_total"] == 0  # verified resident, never read
+        assert status["bytes_verified_total"] >= 8 * MiB
+        ticket.cancel()
+        client.close()
+
+
+def test_a_partly_resident_request_reads_only_the_resident_tensors_at_once(
+    tmp_path: Path,
+) -> None:
+    """One tensor resident, one cold: the first is read at once; the second waits for the
+    daemon, which has learned nothing of this disk yet (so waiting is the safe choice)."""
+    path = cold_file(tmp_path / "half.safetensors", 8 * MiB, seed=8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into "b"
+        assert len(os.pread(fd, 4 * MiB, 0)) == 4 * MiB
+    finally:
+        os.close(fd)
+    assert resident(path, 4 * MiB, 4 * MiB) == 0
+    with running_daemon(*FLAGS, "--throttle", "16MiB") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("a", path, 0, 4 * MiB), span("b", path, 4 * MiB, 4 * MiB)])
+        assert ticket.wait_for_read("a", timeout=60) == "read"
+        assert ticket.wait_for_read("b", timeout=60) == "ready"
+        assert ticket.ready("b")
+        assert resident(path, 4 * MiB, 4 * MiB) == 4 * MiB  # ready means warm
+        ticket.cancel()
         client.close()

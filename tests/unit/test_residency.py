@@ -9,12 +9,22 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from spanwarm.residency import PAGE, evict, file_residency, residency_trusted, resident_bytes
+from spanwarm.residency import (
+    PAGE,
+    evict,
+    file_residency,
+    missing_bytes,
+    residency_trusted,
+    resident_bytes,
+)
 
 MiB = 2**20
 LOSS = 0.005
@@ -173,3 +183,76 @@ def test_mincore_lies_to_a_process_that_may_not_write_the_file(tmp_path: Path) -
         assert _as_nobody(fd, 64 * PAGE) == (True, 0)
     finally:
         os.close(fd)
+
+
+def test_missing_bytes_counts_whole_pages_per_range(cold: tuple[Path, int]) -> None:
+    path, fd = cold
+    os.pread(fd, 4 * PAGE, 10 * PAGE)  # pages 10..13 resident (FADV_RANDOM: nothing more)
+    size = path.stat().st_size
+    ranges = [
+        (10 * PAGE, 14 * PAGE),  # all resident
+        (10 * PAGE + 5, 12 * PAGE - 5),  # inside resident pages, unaligned
+        (9 * PAGE, 11 * PAGE),  # one page missing
+        (13 * PAGE, 13 * PAGE),  # empty
+        (size - 50, size + 200),  # the partial tail page, and 200 bytes past the end
+    ]
+    lo = np.array([a for a, _ in ranges])
+    hi = np.array([b for _, b in ranges])
+    assert missing_bytes(fd, lo, hi).tolist() == [0, 0, PAGE, 0, PAGE + 200]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+def test_a_rank_does_not_believe_mincore_it_cannot_trust(tmp_path: Path) -> None:
+    """A shared read-only checkpoint: mincore tells a non-owner that every page is
+    present, so the client must count none of it as resident (or ranks would never wait)."""
+    from spanwarm.client.client import Ticket, _note_residency
+    from spanwarm.rpc.v1 import warmer_pb2
+
+    shared = Path(tempfile.mkdtemp(prefix="spanwarm-shared-", dir="/var/tmp"))
+    os.chmod(shared, 0o755)  # /var/tmp is world-traversable; tmp_path's parents are not
+    path = write_file(shared / "ckpt.bin", 64 * PAGE)
+    os.chmod(path, 0o644)
+    evict(path)
+    request = warmer_pb2.WarmRequest(
+        files=[str(path)],
+        groups=["a"],
+        file_index=[0],
+        offset=[0],
+        length=[64 * PAGE],
+        stride=[64 * PAGE],
+        count=[1],
+        group_index=[0],
+    )
+
+    def as_nobody() -> str:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: never return into pytest
+            status = 1
+            try:
+                os.close(read_end)
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
+                ticket = Ticket(["a"], [64 * PAGE])
+                everything = _note_residency(ticket, request)
+                readable = len(path.read_bytes())  # it may read the file, just not know
+                answer = f"{readable} {int(everything)} {int(ticket._resident[0])}"
+                os.write(write_end, answer.encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            answer = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        return answer
+
+    try:
+        # Cold (and mincore would have said "all present"), then read by that very child.
+        assert as_nobody() == f"{64 * PAGE} 0 0"
+        assert as_nobody() == f"{64 * PAGE} 0 0"  # resident now, but nobody cannot know it
+        ticket = Ticket(["a"], [64 * PAGE])
+        assert _note_residency(ticket, request)  # root can
+    finally:
+        shutil.rmtree(shared)

@@ -36,7 +36,7 @@ from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
-from spanwarm.residency import resident_bytes
+from spanwarm.residency import missing_bytes, residency_trusted
 from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["Client", "Progress", "Ticket", "message_dict"]
@@ -46,6 +46,9 @@ logger = logging.getLogger("spanwarm.client")
 _PENDING, _READY, _FAILED, _RELEASED = 0, 1, 2, 3
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
+# A tensor this close to resident is read at once: a page or two of it can be missing (the
+# page cache reclaims cold pages a few at a time), and a 64 KiB read is one request.
+_RESIDENT_SLACK = 64 * 2**10
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
 # SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
@@ -100,9 +103,9 @@ class Ticket:
         self._stalled = False  # released by the watchdog
         self._bytes_done = -1  # the node's counter in the last heartbeat
         self._spans: tuple[Any, Any, Any] | None = None  # (file, group, bytes) per span
-        # Per tensor and file, the first and last byte it names: (paths, per-tensor
-        # offsets into the rest, file, lo, hi), for _resident.
-        self._envelopes: tuple[list[str], Any, Any, Any, Any] | None = None
+        # Per tensor: whether it was in the page cache when the request went out (None
+        # until known; see _note_residency).
+        self._resident: Any = None
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
@@ -141,14 +144,12 @@ class Ticket:
             return "ready"
         start = time.monotonic()
         limit = np.inf if timeout is None else start + timeout
-        checked = False  # residency, once the spans are indexed (before the plan comes)
         while True:
-            if not checked and self._envelopes is not None:
-                checked = True
-                if self._state[i] == _PENDING and self._resident(i):
-                    return "read"  # in the page cache already: nothing to wait for
             with self._cond:
-                if self._state[i] != _PENDING:
+                state, resident = self._state[i], self._resident
+                if state != _READY and resident is not None and resident[i]:
+                    return "read"  # in the page cache already: nothing to wait for
+                if state != _PENDING:
                     return "ready"
                 # Re-read each time: the plan (and with it this estimate) may arrive later.
                 yours = start + float(self._read_yourself_s[i])
@@ -157,29 +158,6 @@ class Ticket:
                     return "read" if yours <= limit else "timeout"
                 until = min(yours, limit)
                 self._cond.wait(None if until == np.inf else until - now)
-
-    def _resident(self, group: int) -> bool:
-        """Whether every byte of the tensor's span envelopes is in the page cache (so the
-        rank reads it at memory speed; nothing the daemon does could make it sooner).
-        False whenever it cannot tell."""
-        envelopes = self._envelopes
-        if envelopes is None:
-            return False
-        paths, ptr, file_of, lo, hi = envelopes
-        for k in range(int(ptr[group]), int(ptr[group + 1])):
-            try:
-                fd = os.open(paths[int(file_of[k])], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            except OSError:
-                return False
-            try:
-                length = int(hi[k] - lo[k])
-                if resident_bytes(fd, int(lo[k]), length) < length:
-                    return False
-            except (OSError, ValueError):
-                return False
-            finally:
-                os.close(fd)
-        return int(ptr[group + 1]) > int(ptr[group])
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, released, or not part of the request."""
@@ -467,11 +445,17 @@ class Client:
 
     def _consume(self, ticket: Ticket, request: Any) -> None:
         try:
+            # First, before the grant and the plan: a rank whose tensors are resident
+            # already reads them at once instead of waiting for the daemon's answer. The
+            # request still goes out: the node's view (status, dedupe, what each rank
+            # asked for) stays whole, and the daemon finds those bytes warm at once.
+            if self.read_yourself:
+                _note_residency(ticket, request)
             request = self._prove(ticket, request)
             if request is None:
                 return
             if self.read_yourself:  # as sent: _prove renumbers files when one would not open
-                _index_spans(ticket, request)
+                _index_read_bytes(ticket, request)
             call = self._stub().Warm(request, timeout=self.stream_timeout)
             ticket._call = call
             for event in call:
@@ -612,24 +596,57 @@ class Client:
         return ticket
 
 
-def _index_spans(ticket: Ticket, request: Any) -> None:
-    """What ``Ticket.wait_for_read`` needs of the request's spans: bytes per span (for
-    the read times) and each tensor's envelope per file (for residency)."""
+def _note_residency(ticket: Ticket, request: Any) -> None:
+    """Find which tensors are in the page cache now (all their spans' envelopes, but for
+    ``_RESIDENT_SLACK`` bytes), and wake the waiters to look.
+    Where mincore cannot be believed (a file this process neither owns nor may write:
+    the kernel then says every page is present), nothing counts as resident."""
     file_index = np.asarray(request.file_index, dtype=np.int64)
     group_index = np.asarray(request.group_index, dtype=np.int64)
     offset = np.asarray(request.offset, dtype=np.int64)
-    length = np.asarray(request.length, dtype=np.int64)
     stride = np.asarray(request.stride, dtype=np.int64)
     count = np.asarray(request.count, dtype=np.int64)
-    ticket._spans = (file_index, group_index, (length * count).astype(np.float64))
-    end = offset + np.maximum(count - 1, 0) * stride + length
+    end = offset + np.maximum(count - 1, 0) * stride + np.asarray(request.length, dtype=np.int64)
+    # One envelope per (tensor, file): its first and last byte there.
     order = np.lexsort((file_index, group_index))
     g, f = group_index[order], file_index[order]
     heads = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (f[1:] != f[:-1])]) if len(g) else g
     lo = np.minimum.reduceat(offset[order], heads) if len(g) else offset
     hi = np.maximum.reduceat(end[order], heads) if len(g) else end
-    ptr = np.searchsorted(g[heads], np.arange(len(ticket._names) + 1))
-    ticket._envelopes = (list(request.files), ptr, f[heads], lo, hi)
+    g, f = g[heads], f[heads]
+    missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
+    for position, path in enumerate(request.files):
+        mine = f == position
+        if not mine.any():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if residency_trusted(fd):
+                missing[mine] = missing_bytes(fd, lo[mine], hi[mine])
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(fd)
+    names = len(ticket._names)
+    per_tensor = np.zeros(names, dtype=np.float64)
+    np.add.at(per_tensor, g, missing.astype(np.float64))
+    resident = (per_tensor <= _RESIDENT_SLACK) & (np.bincount(g, minlength=names) > 0)
+    with ticket._cond:
+        ticket._resident = resident
+        ticket._cond.notify_all()
+
+
+def _index_read_bytes(ticket: Ticket, request: Any) -> None:
+    """Bytes per span and where they are, as sent (for ``Ticket._learn_read_times``)."""
+    nbytes = np.asarray(request.length, dtype=np.float64) * np.asarray(request.count)
+    ticket._spans = (
+        np.asarray(request.file_index, dtype=np.int64),
+        np.asarray(request.group_index, dtype=np.int64),
+        nbytes,
+    )
 
 
 def _log_consumed_error(future: Any) -> None:

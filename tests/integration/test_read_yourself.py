@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from spanwarm.client import Client
+from spanwarm.client.access import grant
 from spanwarm.daemon.throughput import mount_name
 from tests.daemon_harness import cold_file, running_daemon
 from tests.integration.test_daemon import MiB, resident, span
@@ -163,3 +164,19 @@ def test_a_partly_resident_request_reads_only_the_resident_tensors_at_once(
         assert resident(path, 4 * MiB, 4 * MiB) == 4 * MiB  # ready means warm
         ticket.cancel()
         client.close()
+
+
+def test_the_grant_tells_the_rate_before_any_plan(tmp_path: Path) -> None:
+    """A rank learns the slowest mount's rate from its grant, before the plan comes:
+    0 while the daemon knows nothing of the mount, the learned figure once it does."""
+    first = cold_file(tmp_path / "first.safetensors", 16 * MiB, seed=9)
+    with running_daemon(*FLAGS) as daemon:
+        assert grant(daemon.socket, [str(first)], timeout=10).stream_bytes_per_s == 0.0
+        client = Client(daemon.socket)
+        ticket = client.request([span("w", first, 0, 16 * MiB)])
+        assert ticket.wait(timeout=60)
+        ticket.cancel()
+        (learned,) = client.status()["mounts"]
+        client.close()
+        granted = grant(daemon.socket, [str(first)], timeout=10)
+        assert granted.stream_bytes_per_s == learned["stream_bytes_per_s"] > 0

@@ -13,6 +13,7 @@ the users trusted there (``SO_PEERCRED``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import socket
 import stat
@@ -50,6 +51,7 @@ class Granted:
     expires_s: float = 0.0  # unused for this long, the token lapses
     files: list[int] = field(default_factory=list)  # positions in ``paths``, in grant order
     failures: dict[int, str] = field(default_factory=dict)  # position -> why not
+    stream_bytes_per_s: float = 0.0  # the slowest mount's learned one-stream rate (0: unknown)
 
 
 def _open(path: str) -> int:
@@ -131,4 +133,6 @@ def grant(socket_path: str, paths: Sequence[str], *, timeout: float) -> Granted:
     if not reply.token:
         raise AccessRefused(reply.code or "UNKNOWN", reply.reason)
     granted.token, granted.expires_s = reply.token, reply.expires_s
+    rate = reply.stream_bytes_per_s
+    granted.stream_bytes_per_s = rate if math.isfinite(rate) and 0 < rate <= 1e12 else 0.0
     return granted

@@ -107,6 +107,7 @@ class Ticket:
         # until known; see _note_residency).
         self._resident: Any = None
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
+        self._granted_rate = 0.0  # the grant's stream_bytes_per_s
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -226,16 +227,22 @@ class Ticket:
         """From the plan: per tensor, how long one stream of cold reads would take for its
         bytes on their devices, and at least one read of the daemon's piece size there
         (infinite where the daemon has not learned a device yet)."""
-        if self._spans is None:
-            return
-        file_index, group_index, nbytes = self._spans
-        self._spans = None  # once: a million spans' columns are not kept for the load
         positions = {path: i for i, path in enumerate(sent)}
         rate = np.zeros(len(sent))
         for j, plan in enumerate(files):  # in request order, unless a file had no plan
             i = j if len(files) == len(sent) else positions.get(plan.path)
             if i is not None:
                 rate[i] = float(plan.stream_bytes_per_s)
+        self._set_read_times(rate, last=True)
+
+    def _set_read_times(self, rate: Any, *, last: bool) -> None:
+        """Read times from ``rate`` (bytes/s per file as sent; 0: unknown). The grant gives
+        a first figure (the slowest mount's), the plan the last one, per file."""
+        if self._spans is None:
+            return
+        file_index, group_index, nbytes = self._spans
+        if last:
+            self._spans = None  # a million spans' columns are not kept for the load
         span_rate = rate[file_index]
         known = span_rate > 0
         per_span = np.full(len(nbytes), np.inf)
@@ -456,6 +463,10 @@ class Client:
                 return
             if self.read_yourself:  # as sent: _prove renumbers files when one would not open
                 _index_read_bytes(ticket, request)
+                # The slowest mount's rate, from the grant: waits are bounded from now on,
+                # not only once the plan comes.
+                rate = np.full(len(request.files), ticket._granted_rate)
+                ticket._set_read_times(rate, last=False)
             call = self._stub().Warm(request, timeout=self.stream_timeout)
             ticket._call = call
             for event in call:
@@ -522,6 +533,7 @@ class Client:
         granted = grant(self.socket, list(request.files), timeout=self.timeout)
         request.token = granted.token
         ticket._token = granted.token
+        ticket._granted_rate = granted.stream_bytes_per_s
         if not granted.failures:
             return request
         file_index = np.asarray(request.file_index, dtype=np.int64)

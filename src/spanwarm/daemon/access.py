@@ -30,6 +30,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -68,8 +69,10 @@ class AccessServer:
         max_files: int,
         user_max_files: int,
         trusted: frozenset[int],
+        stream_rate: Callable[[int], float] | None = None,
     ) -> None:
         self.path = path
+        self.stream_rate = stream_rate  # st_dev -> learned bytes/s of one stream (0: unknown)
         self.files = files
         self.grants = grants
         self.max_files = max_files
@@ -157,9 +160,12 @@ class AccessServer:
             try:
                 async with asyncio.timeout(GRANT_SECONDS):
                     await self._receive(conn, peer, files, received)
+                rate = self._slowest_rate(files)
                 grant = self.grants.issue(peer, files)
                 files = []
-                reply = warmer_pb2.GrantReply(token=grant.token, expires_s=self.grants.ttl)
+                reply = warmer_pb2.GrantReply(
+                    token=grant.token, expires_s=self.grants.ttl, stream_bytes_per_s=rate
+                )
             except SpanwarmError as exc:
                 logger.info("access channel: refused uid %d (pid %d): %s", peer.uid, peer.pid, exc)
                 reply = warmer_pb2.GrantReply(code=exc.grpc_code, reason=str(exc)[:1000])
@@ -185,6 +191,14 @@ class AccessServer:
             if not self._connections[peer.uid]:
                 del self._connections[peer.uid]
                 self._retire_idle_pools()
+
+    def _slowest_rate(self, files: list[Adopted]) -> float:
+        """The learned one-stream rate of the slowest mount among ``files`` (0.0 while one
+        is unknown, or without a learner)."""
+        if self.stream_rate is None or not files:
+            return 0.0
+        devices = {file.identity.device for file, _ in files}
+        return min(self.stream_rate(device) for device in devices)
 
     def _retire_idle_pools(self) -> None:
         """Keep the check threads of recent users (starting two threads per grant costs a

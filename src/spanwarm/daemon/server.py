@@ -117,6 +117,7 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         max_files=config.max_files,
         user_max_files=config.user_max_files,
         trusted=node.trusted_uids,
+        stream_rate=node.throughput.bytes_per_s,
     )
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE),

@@ -217,13 +217,15 @@ class GrantRequest(_message.Message):
     def __init__(self, descriptors: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class GrantReply(_message.Message):
-    __slots__ = ("token", "expires_s", "code", "reason")
+    __slots__ = ("token", "expires_s", "code", "reason", "stream_bytes_per_s")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     token: str
     expires_s: float
     code: str
     reason: str
-    def __init__(self, token: _Optional[str] = ..., expires_s: _Optional[float] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    stream_bytes_per_s: float
+    def __init__(self, token: _Optional[str] = ..., expires_s: _Optional[float] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ..., stream_bytes_per_s: _Optional[float] = ...) -> None: ...

@@ -94,6 +94,8 @@ class Ticket:
         self._token = ""  # from the access channel: Consumed reports carry it
         self._unreported: list[int] = []
         self._flushing = False  # a batch of reports is due
+        self._report_due = threading.Event()  # wakes _send_reports
+        self._reporter: threading.Thread | None = None
         self.plan: list[dict[str, Any]] = []
         """The node plan for this request's files, once the daemon has accepted it."""
         self.failures: dict[str, str] = {}
@@ -188,9 +190,22 @@ class Ticket:
             if self._request_id is None or self._report is None or self._flushing:
                 return  # sent once the plan arrives, or with the batch already due
             self._flushing = True
-        timer = threading.Timer(_REPORT_DELAY, self._flush)
-        timer.daemon = True
-        timer.start()
+            if self._reporter is None:  # one thread per load, not one per batch
+                self._reporter = threading.Thread(
+                    target=self._send_reports, name="spanwarm-reports", daemon=True
+                )
+                self._reporter.start()
+        self._report_due.set()
+
+    def _send_reports(self) -> None:
+        """Send each batch ``_REPORT_DELAY`` after its first report, until the load ends."""
+        while True:
+            self._report_due.wait()
+            if self.finished.is_set():
+                return  # the stream is over: reports would find no request
+            time.sleep(_REPORT_DELAY)
+            self._report_due.clear()
+            self._flush()
 
     def _flush(self, wait: bool = False) -> None:
         with self._cond:
@@ -290,6 +305,7 @@ class Ticket:
             self._pending = 0
             self._cond.notify_all()
         self.finished.set()
+        self._report_due.set()  # the reporting thread, if any, ends
         return released
 
 

@@ -124,7 +124,9 @@ def settle(paths: list[Path]) -> None:
 
 class CacheSampler:
     """Peak page cache held by the checkpoint files during a run (mincore every 100 ms),
-    and the largest node plan the daemon held (its Status, every 20 ms)."""
+    and the largest node plan the daemon held (its Status, every 250 ms: the plan is in
+    place from the first request to the last tensor, and on a 2-core machine asking more
+    often costs the spanwarm arm CPU that the others do not pay)."""
 
     def __init__(self, paths: list[Path], socket: str | None) -> None:
         self.paths = paths
@@ -142,7 +144,7 @@ class CacheSampler:
 
     def _sample_plan(self) -> None:
         client = Client(self._socket)
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(0.25):
             self.planned = max(self.planned, client.status()["bytes_planned"])
         client.close()
 
@@ -344,6 +346,8 @@ def run_arm(
         "request_s": [r["request_s"] for r in results],
         "warm_s": max(warm) if warm else None,
         "loaded_bytes": sum(r["bytes"] for r in results),
+        "outcomes": [r.get("outcomes", {}) for r in results],
+        "waited_s": [round(r.get("waited_s", 0.0), 3) for r in results],
     }
 
 
@@ -484,7 +488,12 @@ def main() -> None:
                         print(
                             f"  {preset} rep {rep} {arm}: {result['wall_s']:.2f} s, "
                             f"read {format_bytes(result['storage_bytes'])}, first tensor "
-                            f"{result['first_s']}, spans sent after {result['request_s']}",
+                            f"{result['first_s']}, spans sent after {result['request_s']}"
+                            + (
+                                f", waits {result['outcomes']} for {result['waited_s']} s"
+                                if arm == "spanwarm"
+                                else ""
+                            ),
                             flush=True,
                         )
                 warm = warm_cache(args.warm_reps, checkpoint, mounted_paths, daemon.socket, fs)

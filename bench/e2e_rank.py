@@ -21,6 +21,7 @@ time to the first tensor, time to the last, bytes of slices loaded, and under
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
@@ -157,11 +158,15 @@ def main() -> None:
         watcher.start()
 
     handles = {}
+    outcomes: collections.Counter[str] = collections.Counter()
+    waited = 0.0
     first = None
     loaded = 0
     for name, (value, placements, mesh) in state.items():
         if ticket is not None:
-            ticket.wait_for_read(name)  # as spanwarm's loader integrations wait
+            waiting = time.monotonic()
+            outcomes[ticket.wait_for_read(name)] += 1  # as spanwarm's integrations wait
+            waited += time.monotonic() - waiting
         header, info = checkpoint.pieces[name][0]
         if header.path not in handles:
             handles[header.path] = safe_open(header.path, framework="pt")
@@ -198,6 +203,8 @@ def main() -> None:
                 "request_s": requested,
                 "warm_s": warm[0] if warm else None,
                 "pid": os.getpid(),
+                "outcomes": dict(outcomes),  # ready: warmed in time; read: read it itself
+                "waited_s": waited,
             }
         )
     )

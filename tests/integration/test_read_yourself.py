@@ -180,3 +180,32 @@ def test_the_grant_tells_the_rate_before_any_plan(tmp_path: Path) -> None:
         client.close()
         granted = grant(daemon.socket, [str(first)], timeout=10)
         assert granted.stream_bytes_per_s == learned["stream_bytes_per_s"] > 0
+
+
+def test_a_rank_stops_waiting_for_a_daemon_that_is_not_ahead_of_it(tmp_path: Path) -> None:
+    """The daemon knows the disk (16 MB/s per stream, from its state directory), so each
+    16 MiB tensor is worth waiting about a second for; throttled to 1 MiB/s, it delivers
+    none in time. After 8 waits that all ended with the rank reading itself, the rank
+    reads at once, but for one wait in four (to notice a daemon that catches up)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = cold_file(tmp_path / "slow.safetensors", 16 * 16 * MiB, seed=10)
+    figures = {"weighted_bytes": 16e9, "weighted_seconds": 1000.0, "total_bytes": 16 * 10**9}
+    document = {"version": 1, "mounts": {mount_name(os.stat(path).st_dev): figures}}
+    (state / "devices.json").write_text(json.dumps(document))
+    os.chmod(state / "devices.json", 0o600)
+    with running_daemon(*FLAGS, "--throttle", "1MiB", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        names = [f"t{i}" for i in range(16)]
+        tensors = [span(n, path, i * 16 * MiB, 16 * MiB) for i, n in enumerate(names)]
+        ticket = client.request(tensors)
+        took = []
+        for name in names:
+            start = time.monotonic()
+            assert ticket.wait_for_read(name, timeout=60) == "read"
+            took.append(time.monotonic() - start)
+        ticket.cancel()
+        client.close()
+    assert all(t > 0.5 for t in took[:8]), took  # each waited about its read time (1 s)
+    at_once = [t for t in took[8:] if t < 0.2]
+    assert len(at_once) >= 5, took  # 6 of the next 8 did not wait

@@ -21,6 +21,7 @@ event for this request's tensors and no movement in the node's heartbeats.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -49,6 +50,7 @@ _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
 # page cache reclaims cold pages a few at a time), and a 64 KiB read is one request.
 _RESIDENT_SLACK = 64 * 2**10
+_BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
 # SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
@@ -110,6 +112,9 @@ class Ticket:
         self._resident: Any = None
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
         self._granted_rate = 0.0  # the grant's stream_bytes_per_s
+        # How the last bounded waits ended (True: warm in time), and waits skipped since.
+        self._waits: collections.deque[bool] = collections.deque(maxlen=_BEHIND_WINDOW)
+        self._skipped = 0
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -136,31 +141,60 @@ class Ticket:
         the rank would read it itself sooner: go ahead, the page cache shares whatever the
         daemon reads meanwhile) or ``"timeout"`` (not warm within ``timeout``).
 
-        How long a cold read takes comes from the plan: the daemon's learned throughput of
-        one stream on each file's device, for this tensor's bytes, and at least one read
-        of the daemon's piece size. Until the daemon has learned it, ranks wait as
+        How long a cold read takes comes from the grant, then the plan: the daemon's
+        learned throughput of one stream on each file's device, for this tensor's bytes,
+        and at least one read of the daemon's piece size. A tensor resident when the
+        request went out is read at once. Until the daemon has learned it, ranks wait as
         :meth:`wait` does. On fast local storage ranks thus never queue behind the daemon;
         on a slow mount, where the daemon's many reads in flight beat one stream, they wait.
+        A rank whose waits too often end with it reading the tensor itself stops waiting
+        (see :meth:`_daemon_behind`).
         """
         i = self._index.get(name)
         if i is None:
             return "ready"
         start = time.monotonic()
         limit = np.inf if timeout is None else start + timeout
+        waited = False  # a bounded wait began: how it ends goes into _waits
         while True:
             with self._cond:
                 state, resident = self._state[i], self._resident
                 if state != _READY and resident is not None and resident[i]:
                     return "read"  # in the page cache already: nothing to wait for
                 if state != _PENDING:
+                    if waited:
+                        self._waits.append(True)
                     return "ready"
                 # Re-read each time: the plan (and with it this estimate) may arrive later.
-                yours = start + float(self._read_yourself_s[i])
+                bound = float(self._read_yourself_s[i])
+                if bound != np.inf and not waited:
+                    waited = True
+                    if self._daemon_behind():
+                        return "read"  # it has not been ahead of this rank: read now
+                yours = start + bound
                 now = time.monotonic()
                 if now >= min(yours, limit):
-                    return "read" if yours <= limit else "timeout"
+                    if yours <= limit:
+                        self._waits.append(False)
+                        return "read"
+                    return "timeout"
                 until = min(yours, limit)
                 self._cond.wait(None if until == np.inf else until - now)
+
+    def _daemon_behind(self) -> bool:
+        """Whether, over this rank's last bounded waits, the daemon was too often not
+        ahead: more than a quarter of them ended with the rank reading the tensor itself.
+        Then waiting only adds to each read (on local disk the rank reads about as fast,
+        and the page cache shares what both read), so the rank reads at once; one wait in
+        four still goes ahead, so that a daemon which catches up is noticed."""
+        if len(self._waits) < _BEHIND_WINDOW // 2:
+            return False
+        behind = self._waits.count(False) * 4 > len(self._waits)
+        if behind:
+            self._skipped += 1
+            if self._skipped % 4 == 0:
+                return False  # this one waits: a sample of whether it is ahead again
+        return behind
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, released, or not part of the request."""

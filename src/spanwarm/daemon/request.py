@@ -198,7 +198,7 @@ class Request:
             for cell in self._row_cell[start:stop].tolist():
                 yield file, cell
 
-    def cells_in(self, file: OpenFile) -> npt.NDArray[np.int64]:
+    def rows_in(self, file: OpenFile) -> npt.NDArray[np.int64]:
         """Its rows in one file."""
         index = self._file_index.get(file)
         if index is None:
@@ -326,7 +326,7 @@ class _RowSet:
             yield self._request.key_of(row)
 
     def in_file(self, file: OpenFile) -> list[CellKey]:
-        rows = self._request.cells_in(file)
+        rows = self._request.rows_in(file)
         return [self._request.key_of(int(row)) for row in rows[self._flag[rows]]]
 
 

@@ -8,6 +8,7 @@ privileged, so check :func:`residency_trusted` before believing it.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import time
@@ -58,14 +59,16 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
     return resident
 
 
-_WINDOW = 4 * 2**30  # missing_bytes maps and checks the hull this much at a time
+_WINDOW = 4 * 2**30  # missing_bytes maps and checks a run this much at a time
+_BRIDGE = 4 * 2**20  # missing_bytes checks gaps this small rather than split a run
 
 
 def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Per range ``[lo[i], hi[i])`` of open regular file ``fd``: bytes on pages not in the
     page cache (whole pages, so a partly covered page counts in full; bytes past the end
-    of the file count as missing). The ranges' hull is checked with one ``mincore`` per
-    4 GiB window, so memory stays small whatever the file."""
+    of the file count as missing). Ranges are merged into runs (gaps under 4 MiB bridged)
+    and each run is checked with ``mincore``, 4 GiB at a time: the work follows the
+    ranges, not the file."""
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -77,19 +80,38 @@ def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.where(hi > lo, missing, 0)
     first = lo // PAGE  # first page of each range, and one past its last page in the file
     last = (np.minimum(hi, size) - 1) // PAGE + 1
-    start = int(first[keep].min()) * PAGE
-    stop = int(np.minimum(hi, size)[keep].max())
-    for window in range(start, stop, _WINDOW):
-        end = min(window + _WINDOW, stop)
-        with mapped(fd, window, end - window) as addr:
-            vec = mincore(addr, end - window)
-        absent = np.zeros(len(vec) + 1, dtype=np.int64)
-        np.cumsum((np.frombuffer(vec, dtype=np.uint8) & 1) == 0, out=absent[1:])
-        base = window // PAGE
-        a = np.clip(first - base, 0, len(vec))
-        b = np.clip(last - base, 0, len(vec))
-        missing += np.where(keep & (b > a), (absent[b] - absent[a]) * PAGE, 0)
+    ranges = np.flatnonzero(keep)
+    ranges = ranges[np.argsort(first[ranges], kind="stable")]
+    reach = np.maximum.accumulate(last[ranges])
+    new_run = np.r_[True, first[ranges][1:] > reach[:-1] + _BRIDGE // PAGE]
+    run_of = np.cumsum(new_run) - 1
+    heads = np.flatnonzero(new_run)
+    run_first = first[ranges][heads]
+    run_last = np.maximum.reduceat(last[ranges], heads)
+    for run, (start, stop) in enumerate(zip(run_first.tolist(), run_last.tolist(), strict=True)):
+        members = ranges[run_of == run]
+        for window in range(start, stop, _WINDOW // PAGE):
+            end = min(window + _WINDOW // PAGE, stop)
+            with mapped(fd, window * PAGE, (end - window) * PAGE) as addr:
+                vec = mincore(addr, (end - window) * PAGE)
+            pages = min(len(vec), end - window)
+            absent = np.zeros(pages + 1, dtype=np.int64)
+            np.cumsum((np.frombuffer(vec, dtype=np.uint8)[:pages] & 1) == 0, out=absent[1:])
+            a = np.clip(first[members] - window, 0, pages)
+            b = np.clip(last[members] - window, 0, pages)
+            missing[members] += (absent[b] - absent[a]) * PAGE
     return np.where(hi > lo, missing, 0)
+
+
+@functools.cache
+def _root_of_the_host() -> bool:
+    """Whether uid 0 here is the host's root (no user namespace maps it): root in a
+    rootless container is not privileged over files its namespace does not map."""
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
 
 
 def residency_trusted(path_or_fd: int | str | os.PathLike[str]) -> bool:
@@ -99,7 +121,7 @@ def residency_trusted(path_or_fd: int | str | os.PathLike[str]) -> bool:
     root; everyone else is told every page is present.
     """
     euid = os.geteuid()
-    if euid == 0:
+    if euid == 0 and _root_of_the_host():
         return True
     if isinstance(path_or_fd, int):
         st_uid = os.fstat(path_or_fd).st_uid

@@ -50,6 +50,9 @@ _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
 # page cache reclaims cold pages a few at a time), and a 64 KiB read is one request.
 _RESIDENT_SLACK = 64 * 2**10
+# Bytes of envelopes checked for residency per request (about 16M page lookups, tens of
+# milliseconds): past that, tensors count as not resident.
+_RESIDENCY_SCAN_BYTES = 64 * 2**30
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
@@ -162,7 +165,7 @@ class Ticket:
                 if state != _READY and resident is not None and resident[i]:
                     return "read"  # in the page cache already: nothing to wait for
                 if state != _PENDING:
-                    if waited:
+                    if waited and state == _READY:
                         self._waits.append(True)
                     return "ready"
                 # Re-read each time: the plan (and with it this estimate) may arrive later.
@@ -506,10 +509,11 @@ class Client:
             # already reads them at once instead of waiting for the daemon's answer. The
             # request still goes out: the node's view (status, dedupe, what each rank
             # asked for) stays whole, and the daemon finds those bytes warm at once.
+            check_endpoint(self.socket)  # no daemon, or not one to trust: release at once
             if self.read_yourself:
                 _note_residency(ticket, request)
             request = self._prove(ticket, request)
-            if request is None:
+            if request is None or ticket.finished.is_set():  # cancelled or released meanwhile
                 return
             if self.read_yourself:  # as sent: _prove renumbers files when one would not open
                 _index_read_bytes(ticket, request)
@@ -519,6 +523,8 @@ class Client:
                 ticket._set_read_times(rate, last=False)
             call = self._stub().Warm(request, timeout=self.stream_timeout)
             ticket._call = call
+            if ticket.finished.is_set():  # cancel() or the watchdog ran before _call was set
+                call.cancel()
             for event in call:
                 kind = event.WhichOneof("event")
                 if kind == "heartbeat":
@@ -677,10 +683,14 @@ def _note_residency(ticket: Ticket, request: Any) -> None:
     hi = np.maximum.reduceat(end[order], heads) if len(g) else end
     g, f = g[heads], f[heads]
     missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
+    budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound the work
     for position, path in enumerate(request.files):
         mine = f == position
         if not mine.any():
             continue
+        budget -= int((hi[mine] - lo[mine]).sum())
+        if budget < 0:
+            break  # the rest counts as not resident: the daemon will say
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:

@@ -212,7 +212,7 @@ class WarmerService:
                     live = beat
             assert live is not None
             # The stream may live for the whole load: keep the compact request, not the
-            # message (a million spans decode to ~50 MB) nor its bytes.
+            # decoded message (a million spans decode to ~50 MB; grpc keeps the raw bytes).
             del data, request, admission
         except (asyncio.CancelledError, grpc.aio.AbortError):
             if grant is not None:

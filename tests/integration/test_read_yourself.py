@@ -209,3 +209,31 @@ def test_a_rank_stops_waiting_for_a_daemon_that_is_not_ahead_of_it(tmp_path: Pat
     assert all(t > 0.5 for t in took[:8]), took  # each waited about its read time (1 s)
     at_once = [t for t in took[8:] if t < 0.2]
     assert len(at_once) >= 5, took  # 6 of the next 8 did not wait
+
+
+def test_a_rank_bounds_its_waits_by_its_own_reads(tmp_path: Path) -> None:
+    """The daemon's figure (4 MB/s here, from its state directory) makes each 4 MiB tensor
+    worth a second's wait; once the rank has timed four of its own reads of tensors that
+    were not warm (``Ticket.took``: 1 ms each), it waits no longer than those took."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = cold_file(tmp_path / "slow.safetensors", 8 * 4 * MiB, seed=11)
+    figures = {"weighted_bytes": 4e9, "weighted_seconds": 1000.0, "total_bytes": 4 * 10**9}
+    document = {"version": 1, "mounts": {mount_name(os.stat(path).st_dev): figures}}
+    (state / "devices.json").write_text(json.dumps(document))
+    os.chmod(state / "devices.json", 0o600)
+    with running_daemon(*FLAGS, "--throttle", "64KiB", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        names = [f"t{i}" for i in range(7)]
+        tensors = [span(n, path, i * 4 * MiB, 4 * MiB) for i, n in enumerate(names)]
+        ticket = client.request(tensors)
+        took = []
+        for name in names:
+            start = time.monotonic()
+            assert ticket.wait_for_read(name, timeout=60) == "read"
+            took.append(time.monotonic() - start)
+            ticket.took(name, 0.001)  # as GatedReads reports the loader's own read
+        ticket.cancel()
+        client.close()
+    assert all(t > 0.5 for t in took[:4]), took  # the daemon's bound: about a second each
+    assert all(t < 0.2 for t in took[4:]), took  # this rank's own: a millisecond

@@ -54,6 +54,7 @@ _RESIDENT_SLACK = 64 * 2**10
 # milliseconds): past that, tensors count as not resident.
 _RESIDENCY_SCAN_BYTES = 64 * 2**30
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
+_OWN_SAMPLES, _OWN_BYTES = 4, 4 * 2**20  # own cold reads timed before they bound waits
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
 # SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
@@ -118,6 +119,13 @@ class Ticket:
         # How the last bounded waits ended (True: warm in time), and waits skipped since.
         self._waits: collections.deque[bool] = collections.deque(maxlen=_BEHIND_WINDOW)
         self._skipped = 0
+        # This rank's own reads of tensors that were not warm (see took): the last few.
+        self._cold: set[int] = set()  # told to read it itself, not yet timed
+        self._own_samples: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=_BEHIND_WINDOW
+        )
+        self._own_bytes = 0
+        self._own_seconds = 0.0
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -170,19 +178,41 @@ class Ticket:
                     return "ready"
                 # Re-read each time: the plan (and with it this estimate) may arrive later.
                 bound = float(self._read_yourself_s[i])
+                if bound != np.inf and self._own_seconds > 0:
+                    # What this rank's own cold reads took (Ticket.took), where lower.
+                    own = self._bytes[i] * self._own_seconds / self._own_bytes
+                    bound = min(bound, own)
                 if bound != np.inf and not waited:
                     waited = True
                     if self._daemon_behind():
+                        self._cold.add(i)
                         return "read"  # it has not been ahead of this rank: read now
                 yours = start + bound
                 now = time.monotonic()
                 if now >= min(yours, limit):
                     if yours <= limit:
                         self._waits.append(False)
+                        self._cold.add(i)
                         return "read"
                     return "timeout"
                 until = min(yours, limit)
                 self._cond.wait(None if until == np.inf else until - now)
+
+    def took(self, name: str, seconds: float) -> None:
+        """How long the loader took to read ``name`` here after :meth:`wait_for_read` told
+        it to read a tensor that was not warm. Once a few MiB of such reads are known, each
+        wait is bounded by this rank's own rate as well: the daemon's figure is one of its
+        streams among many, far below what a rank gets where the storage is fast."""
+        i = self._index.get(name)
+        with self._cond:
+            if i is None or i not in self._cold or not seconds > 0:
+                return
+            self._cold.discard(i)
+            self._own_samples.append((self._bytes[i], seconds))
+            nbytes = sum(b for b, _ in self._own_samples)
+            if len(self._own_samples) >= _OWN_SAMPLES and nbytes >= _OWN_BYTES:
+                self._own_bytes = nbytes
+                self._own_seconds = sum(t for _, t in self._own_samples)
 
     def _daemon_behind(self) -> bool:
         """Whether, over this rank's last bounded waits, the daemon was too often not

@@ -34,6 +34,7 @@ class GatedReads:
     read_yourself: int = field(default=0, kw_only=True)
     """Tensors read before they were warm, because reading them here was sooner."""
     _read: set[str] = field(default_factory=set, kw_only=True)
+    _reading: dict[str, float] = field(default_factory=dict, kw_only=True)
     _lock: threading.Lock = field(default_factory=threading.Lock, kw_only=True)
 
     @property
@@ -52,9 +53,11 @@ class GatedReads:
             outcome = "failed"
             logger.warning("spanwarm: waiting for %s failed: %s", name, exc)
         with self._lock:
-            self.waited_s += time.monotonic() - start
+            now = time.monotonic()
+            self.waited_s += now - start
             if outcome == "read":
                 self.read_yourself += 1
+                self._reading[name] = now  # timed until after_read (Ticket.took)
             elif outcome != "ready" and not self.timed_out:
                 self.timed_out = True
                 logger.warning(
@@ -68,6 +71,9 @@ class GatedReads:
         with self._lock:
             first = name not in self._read
             self._read.add(name)
+            began = self._reading.pop(name, None)
+        if began is not None:
+            self.ticket.took(name, time.monotonic() - began)
         if first and not self.timed_out:
             try:
                 self.ticket.consumed([name])

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -60,7 +61,16 @@ from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
-from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Range, Request
+from spanwarm.daemon.request import (
+    FAILED,
+    PENDING,
+    READY,
+    CellKey,
+    CellQueue,
+    Event,
+    Range,
+    Request,
+)
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput
 from spanwarm.daemon.warm_engine import (
@@ -108,29 +118,6 @@ class Cell:
             self.waiters.remove(request)
 
 
-class _CellQueue:
-    """A file's background cells (what the plan reads, in file order) as one array and a
-    cursor: a tuple per cell of a whole 1.5 TB file would cost 20 MB per replan."""
-
-    def __init__(self, file: OpenFile, cells: npt.NDArray[np.int64]) -> None:
-        self.file = file
-        self.cells = cells
-        self.at = 0
-        self.back: list[CellKey] = []  # pushed back by appendleft
-
-    def __len__(self) -> int:
-        return len(self.cells) - self.at + len(self.back)
-
-    def popleft(self) -> CellKey:
-        if self.back:
-            return self.back.pop()
-        self.at += 1
-        return self.file, int(self.cells[self.at - 1])
-
-    def appendleft(self, key: CellKey) -> None:
-        self.back.append(key)
-
-
 @dataclass(slots=True)
 class _Outcome:
     """What one warm operation did."""
@@ -148,9 +135,13 @@ def _since(ranges: Iterable[tuple[int, int, float]], when: float) -> list[Range]
     return _union((a, b) for a, b, t in ranges if t >= when)
 
 
+def _cell_of(file: OpenFile, cell: int) -> CellKey:
+    return file, cell
+
+
 def _plan_files(
     jobs: list[tuple[OpenFile, list[SpanTable]]], seek_cost: int, chunk: int
-) -> list[tuple[OpenFile, FilePlan, _CellQueue]]:
+) -> list[tuple[OpenFile, FilePlan, CellQueue]]:
     """Runs in the planning worker: each file's plan over its users' spans, and every
     cell the plan reads (the background queue; cells some request waits on are skipped
     when they come up)."""
@@ -160,7 +151,7 @@ def _plan_files(
         first, last = plan.runs.starts // chunk, (plan.runs.stops - 1) // chunk
         counts = last - first + 1
         cells = np.unique(np.repeat(first, counts) + run_offsets(counts))
-        out.append((file, plan, _CellQueue(file, cells)))
+        out.append((file, plan, CellQueue(cells, functools.partial(_cell_of, file))))
     return out
 
 
@@ -255,7 +246,7 @@ class Node:
         self._plans: dict[OpenFile, FilePlan] = {}
         self._users: dict[OpenFile, set[Request]] = {}
         self._cells: dict[CellKey, Cell] = {}
-        self._background: dict[OpenFile, _CellQueue] = {}
+        self._background: dict[OpenFile, CellQueue] = {}
         # Root and the daemon's own user are trusted: no per-user caps.
         self.trusted_uids = frozenset({0, os.geteuid()})
         self._turns: dict[int, int] = {}  # per uid: whose turn among its requests
@@ -464,9 +455,7 @@ class Node:
             if file.failed:  # it changed before this request got its plan: nothing to warm
                 for key in request.pending.in_file(file):
                     self._fail(request, key, "ABORTED", "changed while warming")
-        for key in request.cells:
-            if key not in request.pending:
-                continue
+        for key in request.pending:  # its cells not settled by a failure above
             cell = self._cells.get(key)
             if cell is None:
                 cell = self._cells[key] = Cell()
@@ -787,7 +776,7 @@ class Node:
             return key
         return None
 
-    def _background_queue(self, requests: list[Request]) -> _CellQueue | None:
+    def _background_queue(self, requests: list[Request]) -> CellQueue | None:
         """The first queue of cells only the plan needs, in a file these requests name
         (None when there are none, or when the plan exceeds the budget: then only what
         ranks need is warmed)."""

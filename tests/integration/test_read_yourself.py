@@ -187,25 +187,10 @@ def test_a_rank_stops_waiting_for_a_daemon_that_is_not_ahead_of_it(tmp_path: Pat
     16 MiB tensor is worth waiting about a second for; throttled to 1 MiB/s, it delivers
     none in time. After 8 waits that all ended with the rank reading itself, the rank
     reads at once, but for one wait in four (to notice a daemon that catches up)."""
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
     path = cold_file(tmp_path / "slow.safetensors", 16 * 16 * MiB, seed=10)
-    figures = {"weighted_bytes": 16e9, "weighted_seconds": 1000.0, "total_bytes": 16 * 10**9}
-    document = {"version": 1, "mounts": {mount_name(os.stat(path).st_dev): figures}}
-    (state / "devices.json").write_text(json.dumps(document))
-    os.chmod(state / "devices.json", 0o600)
+    state = learned_state(tmp_path / "state", path, 16e6)
     with running_daemon(*FLAGS, "--throttle", "1MiB", "--state-dir", str(state)) as daemon:
-        client = Client(daemon.socket)
-        names = [f"t{i}" for i in range(16)]
-        tensors = [span(n, path, i * 16 * MiB, 16 * MiB) for i, n in enumerate(names)]
-        ticket = client.request(tensors)
-        took = []
-        for name in names:
-            start = time.monotonic()
-            assert ticket.wait_for_read(name, timeout=60) == "read"
-            took.append(time.monotonic() - start)
-        ticket.cancel()
-        client.close()
+        took = timed_waits(daemon.socket, path, tensors=16, size=16 * MiB)
     assert all(t > 0.5 for t in took[:8]), took  # each waited about its read time (1 s)
     at_once = [t for t in took[8:] if t < 0.2]
     assert len(at_once) >= 5, took  # 6 of the next 8 did not wait
@@ -215,25 +200,41 @@ def test_a_rank_bounds_its_waits_by_its_own_reads(tmp_path: Path) -> None:
     """The daemon's figure (4 MB/s here, from its state directory) makes each 4 MiB tensor
     worth a second's wait; once the rank has timed four of its own reads of tensors that
     were not warm (``Ticket.took``: 1 ms each), it waits no longer than those took."""
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
     path = cold_file(tmp_path / "slow.safetensors", 8 * 4 * MiB, seed=11)
-    figures = {"weighted_bytes": 4e9, "weighted_seconds": 1000.0, "total_bytes": 4 * 10**9}
+    state = learned_state(tmp_path / "state", path, 4e6)
+    with running_daemon(*FLAGS, "--throttle", "64KiB", "--state-dir", str(state)) as daemon:
+        took = timed_waits(daemon.socket, path, tensors=7, size=4 * MiB, own_read_s=0.001)
+    assert all(t > 0.5 for t in took[:4]), took  # the daemon's bound: about a second each
+    assert all(t < 0.2 for t in took[4:]), took  # this rank's own: a millisecond
+
+
+def learned_state(state: Path, path: Path, bytes_per_s: float) -> Path:
+    """A state directory in which a daemon learned ``bytes_per_s`` for ``path``'s mount."""
+    state.mkdir(mode=0o700)
+    figures = {"weighted_bytes": bytes_per_s * 1000, "weighted_seconds": 1000.0}
+    figures["total_bytes"] = int(figures["weighted_bytes"])
     document = {"version": 1, "mounts": {mount_name(os.stat(path).st_dev): figures}}
     (state / "devices.json").write_text(json.dumps(document))
     os.chmod(state / "devices.json", 0o600)
-    with running_daemon(*FLAGS, "--throttle", "64KiB", "--state-dir", str(state)) as daemon:
-        client = Client(daemon.socket)
-        names = [f"t{i}" for i in range(7)]
-        tensors = [span(n, path, i * 4 * MiB, 4 * MiB) for i, n in enumerate(names)]
-        ticket = client.request(tensors)
-        took = []
-        for name in names:
-            start = time.monotonic()
-            assert ticket.wait_for_read(name, timeout=60) == "read"
-            took.append(time.monotonic() - start)
-            ticket.took(name, 0.001)  # as GatedReads reports the loader's own read
-        ticket.cancel()
-        client.close()
-    assert all(t > 0.5 for t in took[:4]), took  # the daemon's bound: about a second each
-    assert all(t < 0.2 for t in took[4:]), took  # this rank's own: a millisecond
+    return state
+
+
+def timed_waits(
+    socket: str, path: Path, *, tensors: int, size: int, own_read_s: float | None = None
+) -> list[float]:
+    """Request ``tensors`` consecutive tensors of ``size`` bytes of ``path``; wait for each
+    in turn (each must end "read") and return how long each wait took. ``own_read_s``:
+    report that reading each took that long here (``Ticket.took``, as GatedReads does)."""
+    client = Client(socket)
+    names = [f"t{i}" for i in range(tensors)]
+    ticket = client.request([span(n, path, i * size, size) for i, n in enumerate(names)])
+    took = []
+    for name in names:
+        start = time.monotonic()
+        assert ticket.wait_for_read(name, timeout=60) == "read"
+        took.append(time.monotonic() - start)
+        if own_read_s is not None:
+            ticket.took(name, own_read_s)
+    ticket.cancel()
+    client.close()
+    return took

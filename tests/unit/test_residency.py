@@ -11,7 +11,7 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -146,8 +146,8 @@ def test_residency_is_trusted_for_a_file_we_own(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def _as_nobody(fd: int, size: int) -> tuple[bool, int]:
-    """residency_trusted and resident_bytes of ``fd`` seen from a child running as uid 65534."""
+def _in_a_child_as_nobody(action: Callable[[], str]) -> str:
+    """What ``action`` returns in a forked child running as uid 65534."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never return into pytest
@@ -156,8 +156,7 @@ def _as_nobody(fd: int, size: int) -> tuple[bool, int]:
             os.close(read_end)
             os.setresgid(65534, 65534, 65534)
             os.setresuid(65534, 65534, 65534)
-            answer = f"{int(residency_trusted(fd))} {resident_bytes(fd, 0, size)}"
-            os.write(write_end, answer.encode())
+            os.write(write_end, action().encode())
             status = 0
         finally:
             os._exit(status)
@@ -166,6 +165,14 @@ def _as_nobody(fd: int, size: int) -> tuple[bool, int]:
         answer = pipe.read().decode()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    return answer
+
+
+def _as_nobody(fd: int, size: int) -> tuple[bool, int]:
+    """residency_trusted and resident_bytes of ``fd`` seen from a child running as uid 65534."""
+    answer = _in_a_child_as_nobody(
+        lambda: f"{int(residency_trusted(fd))} {resident_bytes(fd, 0, size)}"
+    )
     trusted, resident = answer.split()
     return trusted == "1", int(resident)
 
@@ -225,28 +232,13 @@ def test_a_rank_does_not_believe_mincore_it_cannot_trust(tmp_path: Path) -> None
     )
 
     def as_nobody() -> str:
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: never return into pytest
-            status = 1
-            try:
-                os.close(read_end)
-                os.setresgid(65534, 65534, 65534)
-                os.setresuid(65534, 65534, 65534)
-                ticket = Ticket(["a"], [64 * PAGE])
-                _note_residency(ticket, request)
-                readable = len(path.read_bytes())  # it may read the file, just not know
-                answer = f"{readable} {int(ticket._resident[0])}"
-                os.write(write_end, answer.encode())
-                status = 0
-            finally:
-                os._exit(status)
-        os.close(write_end)
-        with os.fdopen(read_end, "rb") as pipe:
-            answer = pipe.read().decode()
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        return answer
+        def seen() -> str:
+            ticket = Ticket(["a"], [64 * PAGE])
+            _note_residency(ticket, request)
+            readable = len(path.read_bytes())  # it may read the file, just not know
+            return f"{readable} {int(ticket._resident[0])}"
+
+        return _in_a_child_as_nobody(seen)
 
     try:
         # Cold (and mincore would have said "all present"), then read by that very child.

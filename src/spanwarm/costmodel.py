@@ -36,6 +36,8 @@ class FilePlan:
     decision: Decision
     runs: Intervals
     """What to read: the bridged span runs, or ``[(0, size)]`` for a whole file."""
+    seek_cost: int = DEFAULT_SEEK_COST
+    """The price of one seek the choice was made with (bytes)."""
 
     @property
     def warm_bytes(self) -> int:
@@ -73,5 +75,5 @@ def plan_file(
     needed = spans.covered_bytes(normalized)
     if needed and cost >= size + seek_cost:
         whole = Intervals(np.array([0], dtype=np.int64), np.array([size], dtype=np.int64))
-        return FilePlan(path, size, needed, len(runs), cost, "whole", whole)
-    return FilePlan(path, size, needed, len(runs), cost, "spans", runs)
+        return FilePlan(path, size, needed, len(runs), cost, "whole", whole, seek_cost)
+    return FilePlan(path, size, needed, len(runs), cost, "spans", runs, seek_cost)

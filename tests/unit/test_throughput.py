@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -47,6 +48,12 @@ def test_throughput_needs_enough_cold_reads_and_weighs_recent_ones() -> None:
         '{"version": 1, "mounts": {"m": {"weighted_bytes": 1' + "0" * 400 + ", "
         '"weighted_seconds": 1, "total_bytes": 1}}}',
         "[" * 100_000 + "]" * 100_000,
+        '{"version": 1, "mounts": {"m": {"weighted_bytes": 1, "weighted_seconds": 1, '
+        '"total_bytes": 1, "seek_cost_bytes": -5}}}',
+        '{"version": 1, "mounts": {"m": {"weighted_bytes": 1, "weighted_seconds": 1, '
+        '"total_bytes": 1, "seek_cost_bytes": 1.5}}}',
+        '{"version": 1, "mounts": {"m": {"weighted_bytes": 1, "weighted_seconds": 1, '
+        '"total_bytes": 1, "seek_cost_bytes": 1' + "0" * 30 + "}}}",
         '{"version": 1, "mounts": {"m": {"weighted_bytes": 1e300, "weighted_seconds": 1e-300, '
         '"total_bytes": 1000000000}}}',
         '{"version": 2, "mounts": {}}',
@@ -57,7 +64,7 @@ def test_a_damaged_state_file_starts_over(tmp_path: Path, content: str) -> None:
     (tmp_path / "devices.json").write_text(content)
     (tmp_path / "devices.json").chmod(0o600)
     learned = StreamThroughput(str(tmp_path))
-    assert all(rate == 0.0 for _, rate, _ in learned.snapshot())
+    assert all(rate == 0.0 and not seek_cost for _, rate, _, seek_cost in learned.snapshot())
 
 
 def test_what_was_learned_is_read_back(tmp_path: Path) -> None:
@@ -70,3 +77,22 @@ def test_what_was_learned_is_read_back(tmp_path: Path) -> None:
     assert again.snapshot() == first.snapshot()
     (tmp_path / "devices.json").chmod(0o666)  # writable by others: not trusted
     assert StreamThroughput(str(tmp_path)).snapshot() == []
+
+
+def test_a_probed_seek_cost_is_kept_with_the_mount(tmp_path: Path) -> None:
+    first = StreamThroughput(str(tmp_path))
+    device = os.makedev(0, 52)
+    assert first.seek_cost(device) == 0  # not measured
+    first.learn_seek_cost(device, 0)  # a measured zero still reads as known
+    assert first.seek_cost(device) == 1
+    first.learn_seek_cost(device, 3 << 20)
+    first.save()
+    again = StreamThroughput(str(tmp_path))
+    assert again.seek_cost(device) == 3 << 20
+    assert again.snapshot() == first.snapshot()
+    # A state file from before the probe (no seek_cost_bytes) still reads.
+    document = json.loads((tmp_path / "devices.json").read_text())
+    for entry in document["mounts"].values():
+        del entry["seek_cost_bytes"]
+    (tmp_path / "devices.json").write_text(json.dumps(document))
+    assert StreamThroughput(str(tmp_path)).seek_cost(device) == 0

@@ -108,11 +108,13 @@ class DaemonConfig:
         help="populate, read or hint (default: populate where the kernel has it)",
         choices=("populate", "read", "hint"),
     )
-    seek_cost: int = _setting(
-        DEFAULT_SEEK_COST,
+    seek_cost: int | None = _setting(
+        None,
         flag="--seek-cost",
         kind="size",
-        help="price of one seek in bytes (measure it: spanwarm calibrate)",
+        help="price of one seek in bytes, on every mount (default: probed per mount once "
+        f"the node is idle, {DEFAULT_SEEK_COST // 2**20} MiB until then; measure it by "
+        "hand with spanwarm calibrate)",
     )
     max_spans: int = _setting(
         4_000_000, flag="--max-spans", kind="int", help="most spans one Warm request may carry"
@@ -265,7 +267,7 @@ class DaemonConfig:
             raise ConfigError(
                 f"chunk_bytes: must be a positive multiple of {page}, got {self.chunk_bytes}"
             )
-        if self.seek_cost < 0:
+        if self.seek_cost is not None and self.seek_cost < 0:
             raise ConfigError(f"seek_cost: must be >= 0, got {self.seek_cost}")
         for name in ("max_spans", "max_files", "max_cells", "max_span_cells", "max_rows"):
             value = getattr(self, name)

@@ -56,8 +56,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from spanwarm.costmodel import FilePlan, plan_file
-from spanwarm.daemon.admission import FileTable, OpenFile
+from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan, plan_file
+from spanwarm.daemon.admission import FileIdentity, FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
@@ -71,6 +71,7 @@ from spanwarm.daemon.request import (
     Range,
     Request,
 )
+from spanwarm.daemon.seek_probe import SeekProber
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput
 from spanwarm.daemon.warm_engine import (
@@ -140,13 +141,13 @@ def _cell_of(file: OpenFile, cell: int) -> CellKey:
 
 
 def _plan_files(
-    jobs: list[tuple[OpenFile, list[SpanTable]]], seek_cost: int, chunk: int
+    jobs: list[tuple[OpenFile, list[SpanTable], int]], chunk: int
 ) -> list[tuple[OpenFile, FilePlan, CellQueue]]:
-    """Runs in the planning worker: each file's plan over its users' spans, and every
-    cell the plan reads (the background queue; cells some request waits on are skipped
-    when they come up)."""
+    """Runs in the planning worker: each file's plan over its users' spans at its mount's
+    seek cost, and every cell the plan reads (the background queue; cells some request
+    waits on are skipped when they come up)."""
     out = []
-    for file, tables in jobs:
+    for file, tables, seek_cost in jobs:
         plan = plan_file(file.path, file.size, SpanTable.concat(tables), seek_cost)
         first, last = plan.runs.starts // chunk, (plan.runs.stops - 1) // chunk
         counts = last - first + 1
@@ -289,6 +290,13 @@ class Node:
         self._budget_blocked = False
         self._mappings: dict[CellKey, list[tuple[int, int]]] = {}  # --hold: (address, length)
         self.throughput = StreamThroughput(config.state_dir or None)
+        # Each mount's seek cost, probed once the node is idle, unless --seek-cost sets it.
+        self.prober = (
+            SeekProber(self.throughput, chunk=self.chunk, close=self._close_later)
+            if config.seek_cost is None
+            else None
+        )
+        self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -311,11 +319,30 @@ class Node:
                 if self._started:  # an operation may have become stuck: workers to reuse
                     self._wake.set()
                 self.metrics.refresh(self.status())
+                if self.prober is not None:
+                    self.prober.tick(
+                        idle=not self._requests, busy=self._probe_must_stop, wanted=self._named
+                    )
                 if tick % _SAVE_EVERY_TICKS == 0:  # off the loop: a disk may be slow
                     self._close_pool.submit(self.throughput.save)
             except Exception:  # a metrics refresh must never stop the holds from expiring
                 logger.exception("refreshing the metrics failed")
             await asyncio.sleep(1.0)
+
+    def _probe_must_stop(self) -> bool:
+        """Asked by the seek-cost probe's thread between its reads."""
+        return self._closing or bool(self._requests)
+
+    def _named(self, identity: FileIdentity) -> bool:
+        """Whether a live request names the file ``identity`` is."""
+        return any(f.identity == identity for f in self._users)
+
+    def seek_cost_of(self, file: OpenFile) -> int:
+        """The price of a seek on ``file``'s mount: --seek-cost, else what the probe
+        measured there, else the default (the seed's cross-region figure)."""
+        if self.config.seek_cost is not None:
+            return self.config.seek_cost
+        return self.throughput.seek_cost(file.identity.device) or DEFAULT_SEEK_COST
 
     @property
     def in_flight(self) -> int:
@@ -415,6 +442,7 @@ class Node:
     async def close(self) -> None:
         """Stop at once: warm operations still running (a hung read, say) are abandoned,
         not waited for; every file and mapping is given back."""
+        self._closing = True
         for task in (self._dispatcher, self._refresher, self._planner, *self._tasks):
             if task is not None:
                 task.cancel()
@@ -432,6 +460,8 @@ class Node:
                 unmap(addr, length)
         self._mappings.clear()
         self.files.close_all()
+        if self.prober is not None:
+            self.prober.close()
         self._close_pool.shutdown(wait=False)
         self.throughput.save()  # what this run learned, for the next one
 
@@ -447,6 +477,8 @@ class Node:
         self._requests.append(request)
         for file in request.files:
             self._users.setdefault(file, set()).add(request)
+            if self.prober is not None:
+                self.prober.offer(file)
         needed_before = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         await self._replanned(request.files)
         if request not in self._requests:  # released while planning
@@ -534,17 +566,17 @@ class Node:
             dirty, self._dirty = self._dirty, set()
             waiters, self._plan_waiters = self._plan_waiters, []
             jobs = [
-                (f, [r.files[f] for r in self._users[f]])
+                (f, [r.files[f] for r in self._users[f]], self.seek_cost_of(f))
                 for f in dirty
                 if self._users.get(f) and not f.failed
             ]
-            rows = sum(int(t.count.sum()) for _, tables in jobs for t in tables)
+            rows = sum(int(t.count.sum()) for _, tables, _ in jobs for t in tables)
             try:
                 if rows <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
-                    planned = _plan_files(jobs, self.config.seek_cost, self.chunk)
+                    planned = _plan_files(jobs, self.chunk)
                 else:
                     planned = await loop.run_in_executor(
-                        self._plan_pool, _plan_files, jobs, self.config.seek_cost, self.chunk
+                        self._plan_pool, _plan_files, jobs, self.chunk
                     )
             except Exception as exc:  # a bug: refuse the requests that waited, keep serving
                 logger.exception("planning failed")
@@ -1082,7 +1114,9 @@ class Node:
             "uptime_s": now - self.started,
             "method": str(self.method),
             "workers": self.config.workers,
-            "seek_cost_bytes": self.config.seek_cost,
+            "seek_cost_bytes": self.config.seek_cost
+            if self.config.seek_cost is not None
+            else DEFAULT_SEEK_COST,
             "ranks": ranks,
             "files": files,
             "bytes_requested": sum(r.nbytes for r in self._requests),

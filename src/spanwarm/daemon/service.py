@@ -311,14 +311,15 @@ class WarmerService:
         finally:
             registration.cancel()
         plans = self.node.plan_of(live)
-        _log_decisions(live, [p for p, _ in plans], self.config.seek_cost)
+        _log_decisions(live, [p for p, _ in plans])
         yield warmer_pb2.WarmEvent(
             plan=_message(
                 warmer_pb2.Plan,
                 {
                     "request_id": live.id,
                     "request_bytes": live.nbytes,
-                    "seek_cost_bytes": self.config.seek_cost,
+                    # Per mount (learned, or --seek-cost): the largest among these files'.
+                    "seek_cost_bytes": max((p.seek_cost for p, _ in plans), default=0),
                     "files": [
                         _file_plan({**p.to_json(), "stream_bytes_per_s": rate}) for p, rate in plans
                     ],
@@ -426,9 +427,14 @@ class WarmerService:
                 "mounts": [
                     _message(
                         warmer_pb2.MountStatus,
-                        {"mount": name, "stream_bytes_per_s": rate, "sampled_bytes": sampled},
+                        {
+                            "mount": name,
+                            "stream_bytes_per_s": rate,
+                            "sampled_bytes": sampled,
+                            "seek_cost_bytes": seek_cost,
+                        },
                     )
-                    for name, rate, sampled in learned
+                    for name, rate, sampled, seek_cost in learned
                 ],
             },
         )
@@ -457,12 +463,13 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
             task.cancel()
 
 
-def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None:
+def _log_decisions(live: Request, plans: list[FilePlan]) -> None:
     """One line per request: what the node plan does with its files, and why."""
     whole = [p for p in plans if p.decision == "whole"]
+    seek_costs = sorted({p.seek_cost for p in plans})
     logger.info(
         "job %s rank %d: %d tensors, %d bytes in %d files; node plan: %d files whole, %d as "
-        "spans, %d bytes to read (seek cost %d)",
+        "spans, %d bytes to read (seek cost %s)",
         live.job,
         live.rank,
         len(live.groups),
@@ -471,13 +478,18 @@ def _log_decisions(live: Request, plans: list[FilePlan], seek_cost: int) -> None
         len(whole),
         len(plans) - len(whole),
         sum(p.warm_bytes for p in plans),
-        seek_cost,
+        ", ".join(map(str, seek_costs)) or "-",
         extra={
             "fields": {
                 "job": live.job,
                 "rank": live.rank,
                 "files": [
-                    {**p.to_json(), "whole_cost_bytes": p.size_bytes + seek_cost} for p in plans
+                    {
+                        **p.to_json(),
+                        "seek_cost_bytes": p.seek_cost,
+                        "whole_cost_bytes": p.size_bytes + p.seek_cost,
+                    }
+                    for p in plans
                 ],
             }
         },

@@ -1,4 +1,6 @@
-"""What one stream of reads gets from each mount, learned from the daemon's own reads.
+"""What the daemon learns of each mount: one stream's throughput, and its seek cost.
+
+Throughput comes from the daemon's own reads.
 
 Every piece the daemon reads cold (nothing of it resident before) is a sample: its bytes
 and the seconds the storage took (the warm engine's I/O time, without any throttle). Per
@@ -22,7 +24,9 @@ The figure is per stream while the daemon runs its workers side by side, so on s
 that serves few requests at a time it is below what one lone reader gets: ranks then
 wait a little longer than they need, never less. The same samples do not give a seek
 cost: with several reads in flight their fixed cost is mostly queueing (fitted on this
-machine's disk: 1 MiB, where ``spanwarm calibrate`` measures 28 KiB).
+machine's disk: 1 MiB, where ``spanwarm calibrate`` measures 28 KiB). The seek cost is
+measured apart, once per mount, by a probe of its own (:mod:`spanwarm.daemon.seek_probe`),
+and kept here with the throughput.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ _STATE_FILE = "devices.json"
 _MAX_STATE_BYTES = 1 << 20
 _MAX_MOUNTS = 1024  # a state file names at most this many mounts (the most sampled)
 _MAX_RATE = 1e12  # bytes per second: past it, a figure is not believed
+_MAX_SEEK_COST = 1 << 40  # bytes: a kept figure past it is a damaged record
 
 
 def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
@@ -73,6 +78,7 @@ class _Mount:
     weighted_bytes: float = 0.0
     weighted_seconds: float = 0.0
     total_bytes: int = 0
+    seek_cost: int = 0  # bytes, from a probe (0: not measured yet)
 
     @property
     def bytes_per_s(self) -> float:
@@ -126,10 +132,27 @@ class StreamThroughput:
             m = self._mounts.get(name)
             return 0.0 if m is None else m.bytes_per_s
 
-    def snapshot(self) -> list[tuple[str, float, int]]:
-        """(mount, bytes per second or 0.0 while unknown, bytes sampled), most sampled first."""
+    def seek_cost(self, device: int) -> int:
+        """The seek cost probed on ``device``'s mount in bytes; 0 while not measured."""
+        name = self.name(device)
         with self._lock:
-            rows = [(n, m.bytes_per_s, m.total_bytes) for n, m in self._mounts.items()]
+            m = self._mounts.get(name)
+            return 0 if m is None else m.seek_cost
+
+    def learn_seek_cost(self, device: int, seek_cost: int) -> None:
+        """A probe measured ``seek_cost`` bytes on ``device``'s mount (at least 1: a
+        measured zero is kept as one byte, so that it reads as known)."""
+        name = self.name(device)
+        with self._lock:
+            m = self._mounts.setdefault(name, _Mount())
+            m.seek_cost = min(max(1, int(seek_cost)), _MAX_SEEK_COST)
+            self._dirty = True
+
+    def snapshot(self) -> list[tuple[str, float, int, int]]:
+        """(mount, bytes per second or 0.0 while unknown, bytes sampled, seek cost or 0
+        while not measured), most sampled first."""
+        with self._lock:
+            rows = [(n, m.bytes_per_s, m.total_bytes, m.seek_cost) for n, m in self._mounts.items()]
         return sorted(rows, key=lambda row: -row[2])
 
     # -- kept across restarts ------------------------------------------------------------
@@ -151,6 +174,7 @@ class StreamThroughput:
                         "weighted_bytes": m.weighted_bytes,
                         "weighted_seconds": m.weighted_seconds,
                         "total_bytes": m.total_bytes,
+                        "seek_cost_bytes": m.seek_cost,
                     }
                     for name, m in mounts[:_MAX_MOUNTS]
                 },
@@ -204,5 +228,8 @@ def _parse(document: Any) -> dict[str, _Mount]:
             for v in values
         ):
             raise ValueError(f"mount {name!r}: not three numbers from 0 to 2**63")
-        out[name] = _Mount(float(values[0]), float(values[1]), int(values[2]))
+        seek_cost = entry.get("seek_cost_bytes", 0)  # absent in files from before the probe
+        if type(seek_cost) is not int or not 0 <= seek_cost <= _MAX_SEEK_COST:
+            raise ValueError(f"mount {name!r}: seek_cost_bytes is not a byte count")
+        out[name] = _Mount(float(values[0]), float(values[1]), int(values[2]), seek_cost)
     return out

@@ -1,0 +1,103 @@
+"""A learned seek cost per mount: the daemon probes a mount once no request is live,
+plans with the figure, keeps it across restarts and shows it; --seek-cost overrides it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from spanwarm.client import Client
+from spanwarm.costmodel import DEFAULT_SEEK_COST
+from spanwarm.daemon.seek_probe import MIN_PROBE_FILE_BYTES
+from spanwarm.daemon.throughput import mount_name
+from spanwarm.residency import resident_bytes
+from tests.daemon_harness import cold_file, running_daemon
+from tests.integration.test_daemon import MiB, span
+
+FLAGS = ("--method", "read", "--log-level", "info")
+
+
+def _probed(client: Client, timeout: float = 60.0) -> dict[str, Any]:
+    """The one mount in Status once its seek cost is known."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mounts = client.status()["mounts"]
+        if mounts and mounts[0]["seek_cost_bytes"]:
+            (mount,) = mounts
+            return dict(mount)
+        assert time.monotonic() < deadline, mounts
+        time.sleep(0.2)
+
+
+def _load(client: Client, path: Path) -> None:
+    ticket = client.request([span("head", path, 0, 4 * MiB)])
+    assert ticket.wait(timeout=60)
+    assert ticket.progress.ready == 1
+    ticket.cancel()
+
+
+def _seek_costs_logged(log: Path) -> list[int]:
+    return [int(n) for n in re.findall(r"\(seek cost (\d+)\)", log.read_text())]
+
+
+def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    path = cold_file(tmp_path / "shard.safetensors", MIN_PROBE_FILE_BYTES + 8 * MiB)
+    size = os.stat(path).st_size
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    with (
+        first_log.open("wb") as stderr,
+        running_daemon(*FLAGS, "--state-dir", str(state), stderr=stderr) as daemon,
+    ):
+        client = Client(daemon.socket)
+        _load(client, path)
+        mount = _probed(client)
+        assert mount["mount"] == mount_name(os.stat(path).st_dev)
+        assert 0 < mount["seek_cost_bytes"] < 64 * MiB  # a local disk, not a network mount
+        learned = mount["seek_cost_bytes"]
+        # What the probe read, nobody asked for: it left the page cache again.
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert resident_bytes(fd, 4 * MiB, size - 4 * MiB) == 0
+        finally:
+            os.close(fd)
+        client.close()
+        assert daemon.stop() == 0
+    assert _seek_costs_logged(first_log) == [DEFAULT_SEEK_COST]  # the load came first
+    assert f"seek cost of {mount['mount']}: {learned} bytes" in first_log.read_text()
+    saved = json.loads((state / "devices.json").read_text())
+    assert saved["mounts"][mount["mount"]]["seek_cost_bytes"] == learned
+    with (
+        second_log.open("wb") as stderr,
+        running_daemon(*FLAGS, "--state-dir", str(state), stderr=stderr) as daemon,
+    ):
+        client = Client(daemon.socket)
+        assert _probed(client, timeout=0)["seek_cost_bytes"] == learned  # kept, not probed
+        _load(client, path)
+        client.close()
+    assert _seek_costs_logged(second_log) == [learned]
+    assert "probed on" not in second_log.read_text()
+
+
+def test_seek_cost_set_by_hand_is_used_and_nothing_is_probed(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "shard.safetensors", MIN_PROBE_FILE_BYTES + 8 * MiB)
+    log = tmp_path / "daemon.log"
+    with (
+        log.open("wb") as stderr,
+        running_daemon(*FLAGS, "--seek-cost", "1MiB", stderr=stderr) as daemon,
+    ):
+        client = Client(daemon.socket)
+        _load(client, path)
+        time.sleep(4)  # two idle ticks and then some: a probe would have started
+        (mount,) = client.status()["mounts"]
+        assert mount["seek_cost_bytes"] == 0
+        assert client.status()["seek_cost_bytes"] == MiB
+        client.close()
+    assert _seek_costs_logged(log) == [MiB]
+    assert "probed on" not in log.read_text()

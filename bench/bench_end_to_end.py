@@ -12,10 +12,15 @@ after another on a freshly evicted page cache, interleaved per repetition:
 - (b) ``whole``: the seed's base PR, ``files[local_rank::local_world]`` read fully, then load;
 - (c) ``spanwarm``: the daemon warms the node's spans; ranks wait per tensor;
 - (d) ``limit``: what the storage allows for exactly the bytes spanwarm reads: the node
-  plan's runs (the local ranks' spans through the cost model at the daemon's default seek
-  cost) read by the best raw reader of the same mount, with no daemon and no loader: as
-  many streams as the daemon has workers, a fresh descriptor per operation, operations of
-  the daemon's chunk size.
+  plan's runs (the local ranks' spans through the cost model at the seek cost the daemon
+  plans with on the mount) read by the best raw reader of the same mount, with no daemon
+  and no loader: as many streams as the daemon has workers, a fresh descriptor per
+  operation, operations of the daemon's chunk size.
+
+Before the measured runs, one ``spanwarm`` load (not measured) is the node's first on the
+mount: the daemon learns the mount's throughput from it and, once idle, probes its seek
+cost, as on a node whose first job has loaded (a probe would otherwise run during the
+next arm). The bench waits for that figure and plans ``limit`` with it.
 
 Reported per arm: wall time until both local ranks have loaded (for ``limit``: until the
 last run is read), time to each rank's first tensor, bytes read from storage (the emulated
@@ -50,13 +55,14 @@ import numpy as np
 
 from spanwarm.client import Client
 from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.daemon.throughput import mount_name
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
 from spanwarm.planner import plan_node_spans
 from spanwarm.residency import evict, file_residency
 from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.sample_checkpoint import write_sharded_checkpoint
 from spanwarm.tensor_layout import TensorSpans
-from spanwarm.units import format_bytes
+from spanwarm.units import format_bytes, parse_size
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -254,7 +260,7 @@ def run_local_ranks(
     }
 
 
-def node_runs(checkpoint: Path) -> list[tuple[str, int, int]]:
+def node_runs(checkpoint: Path, seek_cost: int) -> list[tuple[str, int, int]]:
     """The node plan's runs, (path, start, stop): the local ranks' spans, computed by
     e2e_rank.py as the spanwarm arm requests them, through the cost model."""
     spans = []
@@ -275,7 +281,11 @@ def node_runs(checkpoint: Path) -> list[tuple[str, int, int]]:
         ).stdout
         spans += [TensorSpans("", *row) for row in json.loads(out.splitlines()[-1])]
     plan = plan_node_spans(
-        open_checkpoint(checkpoint), spans, node=0, ranks=list(range(LOCAL_WORLD))
+        open_checkpoint(checkpoint),
+        spans,
+        node=0,
+        ranks=list(range(LOCAL_WORLD)),
+        seek_cost=seek_cost,
     )
     return [(f.path, a, b) for f in plan.files for a, b in f.runs.pairs()]
 
@@ -349,6 +359,23 @@ def run_arm(
         "outcomes": [r.get("outcomes", {}) for r in results],
         "waited_s": [round(r.get("waited_s", 0.0), 3) for r in results],
     }
+
+
+def probed_seek_cost(socket: str, path: Path, daemon_args: list[str]) -> int:
+    """After the node's first load on ``path``'s mount: wait for the daemon's probe there,
+    and return the seek cost it plans with now (``--seek-cost``'s, when given)."""
+    if "--seek-cost" in daemon_args:
+        return parse_size(daemon_args[daemon_args.index("--seek-cost") + 1])
+    mount = mount_name(os.stat(path).st_dev)
+    client = Client(socket)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        known = {m["mount"]: m["seek_cost_bytes"] for m in client.status()["mounts"]}
+        if known.get(mount):
+            client.close()
+            return int(known[mount])
+        time.sleep(0.2)
+    raise RuntimeError(f"the daemon did not probe {mount} within 300 s")
 
 
 def warm_cache(
@@ -476,7 +503,12 @@ def main() -> None:
                 spawn_daemon("--log-level", "warning", *args.daemon_args.split()) as daemon,
             ):
                 mounted_paths = sorted(checkpoint.glob("*.safetensors"))
-                limit_runs = node_runs(checkpoint)
+                run_arm("spanwarm", checkpoint, mounted_paths, daemon.socket, fs)  # the first
+                seek_cost = probed_seek_cost(
+                    daemon.socket, mounted_paths[0], args.daemon_args.split()
+                )
+                print(f"  {preset}: seek cost {format_bytes(seek_cost)}", flush=True)
+                limit_runs = node_runs(checkpoint, seek_cost)
                 runs = []
                 for rep in range(args.reps):
                     for arm in rng.sample(ARMS, len(ARMS)):
@@ -498,7 +530,8 @@ def main() -> None:
                         )
                 warm = warm_cache(args.warm_reps, checkpoint, mounted_paths, daemon.socket, fs)
             label = (
-                f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}`"
+                f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}` "
+                f"(seek cost {format_bytes(seek_cost)}, as the daemon probed it)"
             )
             lines += summarize(label, runs)
             figures.append({"mount": preset, "layout": layout, **paired(runs)})

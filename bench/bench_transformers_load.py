@@ -43,7 +43,12 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, its par
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.bench_end_to_end import mounted, run_limit, run_local_ranks  # noqa: E402
+from bench.bench_end_to_end import (  # noqa: E402
+    mounted,
+    probed_seek_cost,
+    run_limit,
+    run_local_ranks,
+)
 from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
 from spanwarm.planner import plan_node_spans  # noqa: E402
 from spanwarm.safetensors_header import open_checkpoint  # noqa: E402
@@ -99,7 +104,7 @@ def build_model(directory: Path) -> list[Path]:
     return paths
 
 
-def node_runs(model: Path) -> list[tuple[str, int, int]]:
+def node_runs(model: Path, seek_cost: int) -> list[tuple[str, int, int]]:
     """The node plan's runs for node 0's ranks, as transformers would have them read."""
     from spanwarm.integrations.transformers.whatif import rank_load_spans
 
@@ -111,6 +116,7 @@ def node_runs(model: Path) -> list[tuple[str, int, int]]:
         (s for rank in spans.values() for s in rank),
         node=0,
         ranks=list(range(LOCAL_WORLD)),
+        seek_cost=seek_cost,
     )
     return [(f.path, a, b) for f in plan.files for a, b in f.runs.pairs()]
 
@@ -195,7 +201,10 @@ def main() -> None:
             spawn_daemon("--log-level", "warning") as daemon,
         ):
             mounted_paths = sorted(model.glob("*.safetensors"))
-            limit_runs = node_runs(model)
+            # The node's first load on the mount, not measured: the daemon learns the mount
+            # from it and probes its seek cost once idle (not during a measured arm).
+            run_arm("spanwarm", model, mounted_paths, daemon.socket, fs)
+            limit_runs = node_runs(model, probed_seek_cost(daemon.socket, mounted_paths[0], []))
             runs = []
             for rep in range(args.reps):
                 for arm in rng.sample(ARMS, len(ARMS)):

@@ -82,14 +82,20 @@ def render(status: dict[str, Any]) -> Group:
             f"{format_bytes(f['warm_now_bytes'])} of {format_bytes(f['warm_bytes'])}",
         )
     mounts = Table(
-        "mount", "one stream, learned", "read cold", title="mounts", title_justify="left"
+        "mount",
+        "one stream, learned",
+        "read cold",
+        "seek cost, probed",
+        title="mounts",
+        title_justify="left",
     )
     for m in status.get("mounts", []):
-        rate = m["stream_bytes_per_s"]
+        rate, seek_cost = m["stream_bytes_per_s"], m.get("seek_cost_bytes", 0)
         mounts.add_row(
             m["mount"],
             _rate(rate) if rate else "not known yet",
             format_bytes(m["sampled_bytes"]),
+            format_bytes(seek_cost) if seek_cost else "not yet",
         )
     parts: list[Any] = [summary]
     if status["ranks"]:

@@ -1,0 +1,135 @@
+"""The learned seek cost against ``spanwarm calibrate``, on local storage and on each
+emulated mount.
+
+    .venv/bin/python bench/bench_seek_cost.py [--mounts local,nfs-like,cross-region]
+        [--reps 3] [--size 512MiB]
+
+Per mount and rep: a fresh daemon with an empty state directory serves one load (one
+rank's 64 MiB at the front of a cold shard, read and reported); once no request is live
+the daemon probes the mount (docs/daemon.md, "The seek cost"), and the bench polls
+Status until the figure shows, timing how long that took after the load ended. Then
+``spanwarm calibrate`` measures the same file as its command line does by default (one
+worker, 12.5% as spans of 16 KiB .. 64 MiB, the file evicted before every point). The
+target (issue 12): the learned figure within 2x of calibrate's after one load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from spanwarm.calibrate import calibrate
+from spanwarm.client import Client
+from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.residency import evict
+from spanwarm.tensor_layout import TensorSpans
+from spanwarm.units import format_bytes, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+LOAD_BYTES = 64 * MiB
+TENSOR_BYTES = 8 * MiB
+
+
+def shard(directory: Path, size: int) -> Path:
+    """A shard of random bytes (written once, reused)."""
+    path = directory / f"shard-{size}.bin"
+    if not path.exists() or path.stat().st_size != size:
+        rng = np.random.default_rng(0)
+        with open(path, "wb") as f:
+            for start in range(0, size, 64 * MiB):
+                f.write(rng.integers(0, 256, min(64 * MiB, size - start), np.uint8).tobytes())
+    return path
+
+
+@contextlib.contextmanager
+def mounted(path: Path, preset: str) -> Iterator[Path]:
+    """``path`` as seen through the emulated mount ``preset`` (itself, for local)."""
+    if preset == "local":
+        yield path
+        return
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.slowfs import fuse_available, mount
+
+    reason = fuse_available()
+    if reason is not None:
+        raise SystemExit(f"{preset}: FUSE is not available here ({reason})")
+    with (
+        tempfile.TemporaryDirectory(prefix="sw-mnt-") as mountpoint,
+        mount(path.parent, Path(mountpoint), preset),
+    ):
+        yield Path(mountpoint) / path.name
+
+
+def learned(path: Path) -> tuple[int, float]:
+    """One load through a fresh daemon, then its probe: (seek cost, seconds after the load)."""
+    evict(path)
+    with spawn_daemon("--method", "read", "--log-level", "warning") as daemon:
+        client = Client(daemon.socket)
+        spans = [
+            TensorSpans(f"t{i}", str(path), i * TENSOR_BYTES, TENSOR_BYTES, TENSOR_BYTES, 1)
+            for i in range(LOAD_BYTES // TENSOR_BYTES)
+        ]
+        ticket = client.request(spans)
+        if not ticket.wait(timeout=600):
+            raise RuntimeError("the load did not finish")
+        ticket.consumed([s.tensor for s in spans])
+        ticket.cancel()
+        ended = time.monotonic()
+        while time.monotonic() - ended < 600:
+            mounts = client.status()["mounts"]
+            if mounts and mounts[0]["seek_cost_bytes"]:
+                client.close()
+                return int(mounts[0]["seek_cost_bytes"]), time.monotonic() - ended
+            time.sleep(0.1)
+        raise RuntimeError("the daemon did not probe the mount within 600 s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mounts", default="local,nfs-like,cross-region")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size", type=parse_size, default=512 * MiB)
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp/spanwarm-bench/seek"))
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    source = shard(args.dir, args.size)
+    rows = []
+    for preset in args.mounts.split(","):
+        with mounted(source, preset) as path:
+            runs = []
+            for rep in range(args.reps):
+                runs.append(learned(path))
+                print(
+                    f"{preset} rep {rep}: learned {format_bytes(runs[-1][0])} "
+                    f"{runs[-1][1]:.1f} s after the load",
+                    flush=True,
+                )
+            calibrated = calibrate(str(path)).seek_cost
+            print(f"{preset}: calibrate {format_bytes(calibrated)}", flush=True)
+        figure = statistics.median(s for s, _ in runs)
+        rows.append(
+            f"| `{preset}` | {format_bytes(int(figure))} "
+            f"({', '.join(format_bytes(s) for s, _ in runs)}) | {format_bytes(calibrated)} "
+            f"| {figure / calibrated:.2f} "
+            f"| {statistics.median(t for _, t in runs):.1f} s |"
+        )
+    print(
+        "\n| mount | learned after one load: median (each rep) | `spanwarm calibrate` "
+        "| learned / calibrate | probe done, after the load |\n| --- | --- | --- | --- | --- |"
+    )
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

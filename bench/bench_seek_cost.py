@@ -100,7 +100,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--size", type=parse_size, default=512 * MiB)
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/spanwarm-bench/seek"))
+    parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    command = "python bench/bench_seek_cost.py " + " ".join(
+        a for a in sys.argv[1:] if not a.endswith(".md") and a != "--markdown"
+    )
     args.dir.mkdir(parents=True, exist_ok=True)
     source = shard(args.dir, args.size)
     rows = []
@@ -123,11 +127,23 @@ def main() -> int:
             f"| {figure / calibrated:.2f} "
             f"| {statistics.median(t for _, t in runs):.1f} s |"
         )
-    print(
-        "\n| mount | learned after one load: median (each rep) | `spanwarm calibrate` "
-        "| learned / calibrate | probe done, after the load |\n| --- | --- | --- | --- | --- |"
+    text = "\n".join(
+        [
+            "\n## The learned seek cost\n",
+            f"```console\n{command.strip()}\n```\n",
+            f"Per mount: {args.reps} fresh daemons (empty state directories), each serving one "
+            f"load (64 MiB at the front of a cold {format_bytes(args.size)} shard) and then "
+            "probing the mount once idle; against `spanwarm calibrate`'s figure for the same "
+            "file (its defaults: one worker, 16 KiB .. 64 MiB spans). Target: within 2x.\n",
+            "| mount | learned after one load: median (each rep) | `spanwarm calibrate` "
+            "| learned / calibrate | probe done, after the load |",
+            "| --- | --- | --- | --- | --- |",
+            *rows,
+        ]
     )
-    print("\n".join(rows))
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
     return 0
 
 

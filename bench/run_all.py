@@ -110,6 +110,8 @@ def main() -> None:
         run("bench_spans.py", *spans, "--plot", str(DOCS / "bench_spans.png"), markdown=True)
     )
     sections.append("\n![spans vs whole file](bench_spans.png)\n")
+    seek = ["--mounts", "local", "--reps", "1"] if quick else ["--reps", "3"]
+    sections.append(run("bench_seek_cost.py", *seek, markdown=True))
     e2e = ["--mounts", "local", "--layouts", "packed", "--reps", "1"] if quick else ["--reps", "3"]
     sections.append(run("bench_end_to_end.py", *e2e, markdown=True))
     repeat = ["--repeat", "1" if quick else "3"]

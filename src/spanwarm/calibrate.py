@@ -1,17 +1,19 @@
-"""Measure the seek cost of the storage under a file, the way the seed did.
+"""Measure the seek cost of the storage under a file, and where spans stop paying.
 
-Read a fixed 12.5% of the file as spans of one size, for sizes from small to large,
-with the page cache evicted before every point, and read the whole file for reference.
-Reading spans costs ``t = t0 + spans x c``: ``c`` is the price of one more span, and the
-seek cost in bytes is ``c`` times the whole-file throughput (what a sequential read gets
-through while one seek is paid). The break-even span size is where 12.5% as spans stops
-being slower than everything.
+The seek cost ``S`` is what a sequential read gets through in the time one seek costs:
+:mod:`spanwarm.seek_cost` measures both on the file (one stream's rate from a short and a
+long contiguous read, the time of a seek from single pages 4 MiB apart), the file
+evicted first. It is the measurement the daemon's probe makes on each mount by itself.
 
-Reads go through the warm engine as the daemon issues them: fresh descriptors per
-operation, ``POSIX_FADV_RANDOM``, the ``read`` method, operations of at most 8 MiB. By
-default with one worker: one stream, so ``c`` is one seek and the throughput one stream's,
-which is what the cost model's S means. More workers measure faster, but aggregate limits
-of the storage then skew the product.
+Then, as the seed did, 12.5% of the file is read as spans of one size, for sizes from
+small to large, with the page cache evicted before every point, and the whole file for
+reference: the break-even span size is where 12.5% as spans stops being slower than
+everything. Those reads go through the warm engine as the daemon issues them: fresh
+descriptors per operation, ``POSIX_FADV_RANDOM``, the ``read`` method, operations of at
+most 8 MiB, with one worker by default. (A fit of their time against the number of spans
+does not price a seek: evenly spaced small spans are one stream to a mount that reads on
+past small gaps, and the fit then says a few dozen KiB where a real jump costs its full
+latency.)
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ import numpy as np
 
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
 from spanwarm.residency import evict
+from spanwarm.seek_cost import (
+    MIN_FILE_BYTES,
+    SeekCost,
+    measure_seek_cost,
+    plan_seek_measurement,
+)
 
-__all__ = ["Calibration", "Point", "calibrate", "read_ranges", "spans_covering"]
+__all__ = ["Calibration", "Point", "calibrate", "measure_seek", "read_ranges", "spans_covering"]
 
 CHUNK = 8 * 2**20
 DEFAULT_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -47,10 +55,15 @@ class Calibration:
     size: int
     fraction: float
     points: tuple[Point, ...]
-    seek_cost: int
-    """Bytes one seek costs: the price of one more span times the whole-file throughput."""
+    seek: SeekCost
+    """One seek's time, one stream's rate, and their product (median of the repeats)."""
     breakeven: int | None
     """Smallest span size at which reading the fraction as spans beat reading everything."""
+
+    @property
+    def seek_cost(self) -> int:
+        """Bytes one seek costs: what ``--seek-cost`` should be on this mount."""
+        return self.seek.seek_cost
 
 
 def spans_covering(size: int, span_bytes: int, fraction: float) -> list[tuple[int, int]]:
@@ -90,6 +103,18 @@ def read_ranges(path: str, ranges: Sequence[tuple[int, int]], workers: int = 8) 
     return time.perf_counter() - start
 
 
+def measure_seek(path: str) -> SeekCost:
+    """Evict ``path``, then price one seek on it (:mod:`spanwarm.seek_cost`)."""
+    evict(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        size = os.fstat(fd).st_size
+        return measure_seek_cost(fd, plan_seek_measurement(fd, size), chunk_bytes=CHUNK)
+    finally:
+        os.close(fd)
+
+
 def calibrate(
     path: str,
     *,
@@ -99,8 +124,11 @@ def calibrate(
     repeats: int = 1,
     progress: Callable[[Point], None] | None = None,
 ) -> Calibration:
-    """Measure every span size (paired with a whole-file read) and derive the seek cost."""
+    """Price a seek, then measure every span size (paired with a whole-file read)."""
     size = os.stat(path).st_size
+    if size < MIN_FILE_BYTES:
+        raise ValueError(f"{path}: {size} bytes is too small to calibrate on")
+    seeks = sorted((measure_seek(path) for _ in range(repeats)), key=lambda s: s.seek_cost)
     points = []
     for span_bytes in sorted(s for s in sizes if s * 2 <= size):
         ranges = spans_covering(size, span_bytes, fraction)
@@ -112,13 +140,5 @@ def calibrate(
         points.append(point)
         if progress is not None:
             progress(point)
-    if len(points) < 2:
-        raise ValueError(f"{path}: {size} bytes is too small to calibrate on")
-    counts = np.array([p.spans for p in points], dtype=float)
-    times = np.array([p.spans_s for p in points])
-    per_span = max(0.0, float(np.polyfit(counts, times, 1)[0]))
-    whole_s = float(np.median([p.whole_s for p in points]))
     breakeven = next((p.span_bytes for p in points if p.spans_s < p.whole_s), None)
-    return Calibration(
-        path, size, fraction, tuple(points), int(per_span * size / whole_s), breakeven
-    )
+    return Calibration(path, size, fraction, tuple(points), seeks[len(seeks) // 2], breakeven)

@@ -12,9 +12,9 @@ from typing import Any
 
 from spanwarm.client import Client
 from spanwarm.costmodel import DEFAULT_SEEK_COST
-from spanwarm.daemon.seek_probe import MIN_PROBE_FILE_BYTES
 from spanwarm.daemon.throughput import mount_name
 from spanwarm.residency import resident_bytes
+from spanwarm.seek_cost import MIN_FILE_BYTES
 from tests.daemon_harness import cold_file, running_daemon
 from tests.integration.test_daemon import MiB, span
 
@@ -48,7 +48,7 @@ def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    path = cold_file(tmp_path / "shard.safetensors", MIN_PROBE_FILE_BYTES + 8 * MiB)
+    path = cold_file(tmp_path / "shard.safetensors", MIN_FILE_BYTES + 8 * MiB)
     size = os.stat(path).st_size
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     with (
@@ -86,7 +86,7 @@ def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
 
 
 def test_seek_cost_set_by_hand_is_used_and_nothing_is_probed(tmp_path: Path) -> None:
-    path = cold_file(tmp_path / "shard.safetensors", MIN_PROBE_FILE_BYTES + 8 * MiB)
+    path = cold_file(tmp_path / "shard.safetensors", MIN_FILE_BYTES + 8 * MiB)
     log = tmp_path / "daemon.log"
     with (
         log.open("wb") as stderr,

@@ -18,9 +18,11 @@ def add_parser(commands: Any) -> None:
         "calibrate",
         help="measure the seek cost of the storage under a file",
         description=(
-            "Read 12.5%% of PATH as spans of varying size (page cache evicted per point) and "
-            "all of it, find where spans stop beating the whole file, and recommend --seek-cost. "
-            "Use a large file (>= 1 GiB) on the mount to measure; it is only read."
+            "Price one seek on PATH's storage (one stream's sequential rate times the time of "
+            "one seek, the page cache evicted first) and recommend --seek-cost; then read 12.5%% "
+            "of PATH as spans of varying size and all of it, to find where spans stop beating "
+            "the whole file. Use a large file (>= 1 GiB) on the mount to measure; it is only "
+            "read. The daemon takes the same measurement of each mount by itself."
         ),
     )
     parser.add_argument("path", type=Path)
@@ -78,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     breakeven = format_bytes(result.breakeven) if result.breakeven else "never (read whole files)"
     print(f"break-even span size: {breakeven}")
+    seek = result.seek
+    print(
+        f"one seek: {seek.seek_s * 1e3:.2f} ms (over {seek.seeks} seeks); one stream: "
+        f"{seek.stream_bytes_per_s / 2**20:.1f} MiB/s"
+    )
     print(f"recommended: --seek-cost {result.seek_cost}  ({format_bytes(result.seek_cost)})")
     if args.write_config:
         write_seek_cost(args.write_config, result.seek_cost)

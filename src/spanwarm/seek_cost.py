@@ -11,7 +11,7 @@ in pieces of the daemon's chunk size:
 - the time of one seek: one page read at each of several places 4 MiB apart, far
   enough that no readahead window and no server-side stream joins two of them (an emulated
   or real network mount reads on without a new request's latency when the next request
-  lands a little ahead); less the page's own transfer time.
+  lands a little ahead): the median, less the page's own transfer time.
 
 Neither is what evenly spaced small spans give: 16 KiB every 128 KiB is one stream to
 such a mount, and prices a seek at a few dozen KiB where the mount really charges its
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,14 +138,14 @@ def measure_seek_cost(
     extra_s = long_s - short_s
     # The difference cancels the first request's latency; noise can make it useless.
     rate = (LONG_BYTES - SHORT_BYTES) / extra_s if extra_s > 0 else LONG_BYTES / long_s
-    seconds, seeks = 0.0, 0
+    times: list[float] = []
     for at in plan.seeks:
-        seconds += _read(fd, at, PAGE, chunk_bytes, busy)
-        seeks += 1
-        if seeks >= MIN_SEEKS and seconds >= SEEK_SECONDS:
+        times.append(_read(fd, at, PAGE, chunk_bytes, busy))
+        if len(times) >= MIN_SEEKS and sum(times) >= SEEK_SECONDS:
             break
-    seek_s = max(0.0, seconds / seeks - PAGE / rate)
-    return SeekCost(min(MAX_SEEK_COST, int(seek_s * rate)), seek_s, rate, seeks)
+    # The median: one seek that waited on something else says nothing of the storage.
+    seek_s = max(0.0, statistics.median(times) - PAGE / rate)
+    return SeekCost(min(MAX_SEEK_COST, int(seek_s * rate)), seek_s, rate, len(times))
 
 
 def _read(fd: int, offset: int, length: int, chunk: int, busy: Callable[[], bool]) -> float:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from spanwarm.client import Client
 from spanwarm.costmodel import DEFAULT_SEEK_COST
@@ -101,3 +105,49 @@ def test_seek_cost_set_by_hand_is_used_and_nothing_is_probed(tmp_path: Path) -> 
         client.close()
     assert _seek_costs_logged(log) == [MiB]
     assert "probed on" not in log.read_text()
+
+
+def test_a_file_with_nothing_cold_leaves_the_mount_to_the_next_one(tmp_path: Path) -> None:
+    warm = cold_file(tmp_path / "warm.safetensors", MIN_FILE_BYTES + 8 * MiB, seed=1)
+    cold = cold_file(tmp_path / "cold.safetensors", MIN_FILE_BYTES + 8 * MiB, seed=2)
+    log = tmp_path / "daemon.log"
+    with (
+        log.open("wb") as stderr,
+        running_daemon(*FLAGS, stderr=stderr) as daemon,
+    ):
+        client = Client(daemon.socket)
+        with open(warm, "rb") as f:  # all of it resident: nothing a probe could measure
+            while f.read(8 * MiB):
+                pass
+        _load(client, warm)
+        time.sleep(4)  # two idle ticks and the probe's answer
+        assert not any(m["seek_cost_bytes"] for m in client.status()["mounts"])
+        _load(client, cold)
+        assert _probed(client)["seek_cost_bytes"] > 0
+        client.close()
+    text = log.read_text()
+    assert f"not probed on {warm}" in text
+    assert f"probed on {cold}" in text
+
+
+def test_a_slow_mount_is_priced_at_its_latency_times_its_rate(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.slowfs import fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    source = tmp_path / "src"
+    source.mkdir()
+    cold_file(source / "shard.safetensors", MIN_FILE_BYTES + 8 * MiB)
+    latency, bandwidth = 0.02, 64 * MiB  # a seek costs 0.02 s x 64 MiB/s = 1.28 MiB
+    with (
+        tempfile.TemporaryDirectory(prefix="sw-mnt-") as mnt,
+        mount(source, Path(mnt), "local", latency_s=latency, stream_bytes_per_s=bandwidth),
+        running_daemon(*FLAGS) as daemon,
+    ):
+        client = Client(daemon.socket)
+        _load(client, Path(mnt) / "shard.safetensors")
+        learned = _probed(client)["seek_cost_bytes"]
+        client.close()
+    expected = latency * bandwidth
+    assert expected / 2 <= learned <= expected * 2, (learned, expected)

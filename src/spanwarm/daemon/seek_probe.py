@@ -13,13 +13,16 @@ descriptor of its own, alone, on a thread at a lower CPU priority. A request arr
 stops it between reads; the mount is probed at the next idle moment. What it read is
 dropped from the page cache afterwards, unless a live request names the file by then.
 A probe that does not return (hung storage) is given up after ``PROBE_TIMEOUT_S``, and
-its mount is not probed again until the daemon restarts. The figure is kept with the
+its mount is not probed again until the daemon restarts (after ``MAX_STUCK`` such, no
+mount is). A file with nothing cold to measure (read whole by the load, say) leaves its
+mount to the next large file a request names. The figure is kept with the
 mount's throughput (``devices.json``), so a mount is probed once, not once per daemon
 start; ``--seek-cost`` overrides it, and then nothing is probed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -45,6 +48,8 @@ logger = logging.getLogger("spanwarm.daemon")
 PROBE_TIMEOUT_S = 120.0  # a probe still running then is stuck in the storage
 IDLE_TICKS = 2  # ticks with no live request before a probe starts
 MAX_CANDIDATES = 32  # mounts waiting for a probe, each holding one descriptor
+MAX_STUCK = 4  # probes lost in hung storage before probing stops until a restart
+MAX_TRIED = 4096  # files remembered as having nothing to measure
 
 
 @dataclass
@@ -71,7 +76,9 @@ class SeekProber:
         self._close = close
         self._waiting: dict[str, _Candidate] = {}  # mount -> the file to probe it on
         self._running: _Candidate | None = None
-        self._done: set[str] = set()  # probed, given up, or found no cold windows this run
+        self._done: set[str] = set()  # probed, or given up on, this run
+        self._tried: set[FileIdentity] = set()  # files found with nothing cold to measure
+        self._stuck = 0  # probes that never returned: their threads are lost
         self._idle_ticks = 0
         self._pool = DaemonThreadPool(1, "spanwarm-probe", nice=10)
 
@@ -81,8 +88,12 @@ class SeekProber:
         windows must be found cold)."""
         if file.size < MIN_FILE_BYTES or not file.trusted or file.failed:
             return
+        if file.identity in self._tried or self._stuck >= MAX_STUCK:
+            return
         mount = self._learned.name(file.identity.device)
         if mount in self._done or self._learned.seek_cost(file.identity.device):
+            return
+        if self._running is not None and self._running.mount == mount:
             return
         known = self._waiting.get(mount)
         if known is not None and known.file.size >= file.size:
@@ -116,11 +127,12 @@ class SeekProber:
                 )
                 self._done.add(running.mount)
                 self._running = None  # its thread is lost; a new one takes the next probe
-                self._pool.grow_to(2)
+                self._stuck += 1
+                self._pool.grow_to(self._stuck + 1)
                 running.future.add_done_callback(lambda _: self._close(running.file.fd))
             return
         self._idle_ticks = self._idle_ticks + 1 if idle else 0
-        if self._idle_ticks < IDLE_TICKS or not self._waiting:
+        if self._idle_ticks < IDLE_TICKS or not self._waiting or self._stuck >= MAX_STUCK:
             return
         mount, candidate = next(iter(self._waiting.items()))
         del self._waiting[mount]
@@ -146,9 +158,11 @@ class SeekProber:
         except MeasureStopped as exc:
             if exc.retry:  # a request came: the mount waits for the next idle moment
                 self._waiting.setdefault(candidate.mount, candidate)
-            else:
+            else:  # nothing cold here (a file read whole, say): another file may do
                 logger.info("seek cost of %s not probed on %s: %s", candidate.mount, file.path, exc)
-                self._done.add(candidate.mount)
+                if len(self._tried) >= MAX_TRIED:
+                    self._tried.clear()
+                self._tried.add(file.identity)
         except Exception as exc:  # a failing file: the mount is not probed again this run
             logger.warning(
                 "seek cost probe of %s on %s failed: %s", candidate.mount, file.path, exc
@@ -157,6 +171,9 @@ class SeekProber:
         else:
             self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
             self._done.add(candidate.mount)
+            offered = self._waiting.pop(candidate.mount, None)  # while this one ran
+            if offered is not None:
+                self._close(offered.file.fd)
             logger.info(
                 "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
                 "one stream %.1f MiB/s)",
@@ -168,8 +185,9 @@ class SeekProber:
                 result.stream_bytes_per_s / 2**20,
             )
         if not wanted(file.identity):  # what the probe read, nobody asked for
-            for start, stop in candidate.read:
-                os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
+            with contextlib.suppress(OSError):
+                for start, stop in candidate.read:
+                    os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
         candidate.read = []
         if self._waiting.get(candidate.mount) is not candidate:
             self._close(file.fd)

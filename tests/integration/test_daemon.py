@@ -350,6 +350,23 @@ def test_sigterm_drains_and_exits_0_with_systemd_notifications(tmp_path: Path) -
     assert not socket_left
 
 
+def test_a_supervisor_gone_does_not_stop_a_clean_shutdown(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    path = cold_file(tmp_path / "f", 16 * MiB)
+    with running_daemon("--method", "read", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        assert client.request([span("t", path, 0, 16 * MiB)]).wait(timeout=30)
+        client.close()
+        # The notification socket goes away, as when a supervisor dies or restarts.
+        address = daemon.notify.getsockname()
+        daemon.notify.close()
+        os.unlink(address)
+        assert daemon.stop() == 0
+        socket_left = os.path.exists(daemon.socket)
+    assert not socket_left
+    assert (state / "devices.json").exists()  # what it learned was kept on the way out
+
+
 def test_a_second_daemon_on_the_same_socket_is_refused(tmp_path: Path) -> None:
     with running_daemon() as daemon:
         import subprocess

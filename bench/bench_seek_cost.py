@@ -134,8 +134,8 @@ def main() -> int:
             f"```console\n{command.strip()}\n```\n",
             f"Per mount: {args.reps} fresh daemons (empty state directories), each serving one "
             f"load (64 MiB at the front of a cold {format_bytes(args.size)} shard) and then "
-            "probing the mount once idle; against `spanwarm calibrate`'s figure for the same "
-            "file (its defaults: one worker, 16 KiB .. 64 MiB spans). Target: within 2x.\n",
+            "probing the mount once idle, each paired with a `spanwarm calibrate` run on the "
+            "same file (the file evicted first). Target: within 2x.\n",
             "| mount | learned after one load: median (each rep) | `spanwarm calibrate`: "
             "median (each rep) | learned / calibrate, paired median | probe done, after the "
             "load |",

@@ -14,8 +14,9 @@ stops it between reads; the mount is probed at the next idle moment. What it rea
 dropped from the page cache afterwards, unless a live request names the file by then.
 A probe that does not return (hung storage) is given up after ``PROBE_TIMEOUT_S``, and
 its mount is not probed again until the daemon restarts (after ``MAX_STUCK`` such, no
-mount is). A file with nothing cold to measure (read whole by the load, say) leaves its
-mount to the next large file a request names. The figure is kept with the
+mount is). A file that gives no figure (nothing cold to measure, having been read whole
+by the load, say; or failing, or changing under the probe) leaves its mount to the next
+large file a request names. The figure is kept with the
 mount's throughput (``devices.json``), so a mount is probed once, not once per daemon
 start; ``--seek-cost`` overrides it, and then nothing is probed.
 """
@@ -49,7 +50,7 @@ PROBE_TIMEOUT_S = 120.0  # a probe still running then is stuck in the storage
 IDLE_TICKS = 2  # ticks with no live request before a probe starts
 MAX_CANDIDATES = 32  # mounts waiting for a probe, each holding one descriptor
 MAX_STUCK = 4  # probes lost in hung storage before probing stops until a restart
-MAX_TRIED = 4096  # files remembered as having nothing to measure
+MAX_TRIED = 4096  # files remembered as having given no figure
 
 
 @dataclass
@@ -77,7 +78,7 @@ class SeekProber:
         self._waiting: dict[str, _Candidate] = {}  # mount -> the file to probe it on
         self._running: _Candidate | None = None
         self._done: set[str] = set()  # probed, or given up on, this run
-        self._tried: set[FileIdentity] = set()  # files found with nothing cold to measure
+        self._tried: set[FileIdentity] = set()  # files that gave no figure: not again
         self._stuck = 0  # probes that never returned: their threads are lost
         self._idle_ticks = 0
         self._pool = DaemonThreadPool(1, "spanwarm-probe", nice=10)
@@ -160,14 +161,12 @@ class SeekProber:
                 self._waiting.setdefault(candidate.mount, candidate)
             else:  # nothing cold here (a file read whole, say): another file may do
                 logger.info("seek cost of %s not probed on %s: %s", candidate.mount, file.path, exc)
-                if len(self._tried) >= MAX_TRIED:
-                    self._tried.clear()
-                self._tried.add(file.identity)
-        except Exception as exc:  # a failing file: the mount is not probed again this run
+                self._try_elsewhere(file)
+        except Exception as exc:  # a failing or changing file: another file may do
             logger.warning(
                 "seek cost probe of %s on %s failed: %s", candidate.mount, file.path, exc
             )
-            self._done.add(candidate.mount)
+            self._try_elsewhere(file)
         else:
             self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
             self._done.add(candidate.mount)
@@ -191,6 +190,13 @@ class SeekProber:
         candidate.read = []
         if self._waiting.get(candidate.mount) is not candidate:
             self._close(file.fd)
+
+    def _try_elsewhere(self, file: OpenFile) -> None:
+        """Not this file again (a user's file that fails, or changes under the probe, must
+        not keep its mount from being probed on another one)."""
+        if len(self._tried) >= MAX_TRIED:
+            self._tried.clear()
+        self._tried.add(file.identity)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

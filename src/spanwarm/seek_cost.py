@@ -24,6 +24,7 @@ Used by ``spanwarm calibrate`` (the whole file evicted first) and by the daemon'
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import statistics
 import time
@@ -48,11 +49,12 @@ MIN_SEEKS = 8
 MAX_SEEKS = 64
 SEEK_SECONDS = 0.5  # enough seeks to outweigh timer and scheduling noise, when fast
 MIN_FILE_BYTES = SHORT_BYTES + LONG_BYTES + (MIN_SEEKS + 2) * SLOT  # and a slot between
+MAX_CHECKED = 1024  # slots looked at, from the end (4 GiB): a huge file costs no more
 CHUNK = 8 << 20  # reads of the daemon's default chunk size
 MAX_SEEK_COST = 1 << 30  # past this a figure is a damaged measurement, not a mount
 
 
-class MeasureStopped(Exception):
+class MeasureStopped(RuntimeError):
     """The file cannot be measured (``retry`` False), or ``busy()`` said to stop
     (``retry`` True)."""
 
@@ -69,15 +71,6 @@ class SeekPlan:
     long_at: int
     seeks: tuple[int, ...]
 
-    @property
-    def ranges(self) -> list[tuple[int, int]]:
-        """Everything the measurement may read (for dropping it again afterwards)."""
-        return [
-            (self.short_at, self.short_at + SHORT_BYTES),
-            (self.long_at, self.long_at + LONG_BYTES),
-            *((at, at + PAGE) for at in self.seeks),
-        ]
-
 
 @dataclass(frozen=True)
 class SeekCost:
@@ -88,29 +81,46 @@ class SeekCost:
     seeks: int
 
 
-def plan_seek_measurement(fd: int, size: int, *, require_cold: bool = True) -> SeekPlan:
+def plan_seek_measurement(
+    fd: int, size: int, *, busy: Callable[[], bool] = lambda: False
+) -> SeekPlan:
     """Cold, allocated places in the open file ``fd`` of ``size`` bytes, from the end back
     (a load reads from the front): two windows, then up to ``MAX_SEEKS`` pages one slot
-    apart. Raises :class:`MeasureStopped` when there are too few."""
-    slots = [c * SLOT for c in range(size // SLOT - 1, -1, -1)]  # whole slots, last first
+    apart. At most ``MAX_CHECKED`` slots are looked at, whatever the file's size. Raises
+    :class:`MeasureStopped` when there are too few, or when ``busy()`` says so."""
+    if os.fstat(fd).st_blocks * 512 < MIN_FILE_BYTES:  # mostly hole: reads cost no I/O
+        raise MeasureStopped(f"fewer than {MIN_FILE_BYTES} bytes allocated")
+    slots = itertools.islice(range((size // SLOT - 1) * SLOT, -1, -SLOT), MAX_CHECKED)
     taken: list[tuple[int, int]] = []
 
     def usable(start: int, length: int) -> bool:
         # One slot clear of everything taken: no read continues near where another ended.
         clear = all(start + length + SLOT <= a or start >= b + SLOT for a, b in taken)
-        cold = not require_cold or resident_bytes(fd, start, length) == 0
-        return clear and start + length <= size and cold and _all_data(fd, start, start + length)
+        return clear and start + length <= size and _cold_data(fd, start, length)
 
-    for want in (LONG_BYTES, SHORT_BYTES):
-        found = next((c for c in slots if usable(c, want)), None)
-        if found is None:
-            raise MeasureStopped(f"no cold {want >> 20} MiB window")
-        taken.append((found, found + want))
-    windows = [a for a, _ in taken]
-    seeks = tuple(c for c in slots if usable(c, PAGE))[:MAX_SEEKS]
-    if len(seeks) < MIN_SEEKS:
-        raise MeasureStopped(f"{len(seeks)} cold places to seek to, {MIN_SEEKS} needed")
-    return SeekPlan(short_at=windows[1], long_at=windows[0], seeks=seeks)
+    seeks: list[int] = []
+    for start in slots:
+        if busy():
+            raise MeasureStopped("a request arrived", retry=True)
+        want = (LONG_BYTES, SHORT_BYTES)[len(taken)] if len(taken) < 2 else PAGE
+        if usable(start, want):
+            if want == PAGE:
+                seeks.append(start)
+                if len(seeks) == MAX_SEEKS:
+                    break
+            else:
+                taken.append((start, start + want))
+    if len(taken) < 2 or len(seeks) < MIN_SEEKS:
+        raise MeasureStopped(
+            f"{len(taken)} cold windows and {len(seeks)} cold places to seek to in the last "
+            f"{MAX_CHECKED} slots; 2 and {MIN_SEEKS} needed"
+        )
+    return SeekPlan(short_at=taken[1][0], long_at=taken[0][0], seeks=tuple(seeks))
+
+
+def _cold_data(fd: int, start: int, length: int) -> bool:
+    """Nothing of ``[start, start + length)`` resident, and no hole in it."""
+    return resident_bytes(fd, start, length) == 0 and _all_data(fd, start, start + length)
 
 
 def _all_data(fd: int, start: int, stop: int) -> bool:
@@ -129,29 +139,47 @@ def measure_seek_cost(
     *,
     busy: Callable[[], bool] = lambda: False,
     chunk_bytes: int = CHUNK,
+    read: list[tuple[int, int]] | None = None,
 ) -> SeekCost:
     """Read what ``plan`` names through ``fd`` (one stream; the caller sets
-    ``POSIX_FADV_RANDOM``) and price a seek. ``busy()`` is asked between reads; when it
-    says so, :class:`MeasureStopped` (``retry``) ends the measurement."""
-    long_s = _read(fd, plan.long_at, LONG_BYTES, chunk_bytes, busy)
-    short_s = _read(fd, plan.short_at, SHORT_BYTES, chunk_bytes, busy)
+    ``POSIX_FADV_RANDOM``) and price a seek. Each place is checked cold again just before
+    it is read: a window found resident stops the measurement, a seek place is passed
+    over (someone read it meanwhile: it would time memory). ``busy()`` is asked before
+    every read; when it says so, :class:`MeasureStopped` (``retry``) ends the measurement.
+    What was read is appended to ``read`` as it goes (for dropping it afterwards)."""
+    done = [] if read is None else read
+
+    def timed(offset: int, length: int) -> float:
+        if busy():
+            raise MeasureStopped("a request arrived", retry=True)
+        done.append((offset, offset + length))
+        return _read(fd, offset, length, chunk_bytes, busy)
+
+    for at, length in ((plan.long_at, LONG_BYTES), (plan.short_at, SHORT_BYTES)):
+        if resident_bytes(fd, at, length):
+            raise MeasureStopped(f"the window at {at} was read by someone else meanwhile")
+    long_s = timed(plan.long_at, LONG_BYTES)
+    short_s = timed(plan.short_at, SHORT_BYTES)
     extra_s = long_s - short_s
     # The difference cancels the first request's latency; noise can make it useless.
     rate = (LONG_BYTES - SHORT_BYTES) / extra_s if extra_s > 0 else LONG_BYTES / long_s
     times: list[float] = []
     for at in plan.seeks:
-        times.append(_read(fd, at, PAGE, chunk_bytes, busy))
+        if resident_bytes(fd, at, PAGE):
+            continue
+        times.append(timed(at, PAGE))
         if len(times) >= MIN_SEEKS and sum(times) >= SEEK_SECONDS:
             break
+    if len(times) < MIN_SEEKS:
+        raise MeasureStopped(f"{len(times)} places to seek to stayed cold, {MIN_SEEKS} needed")
     # The median: one seek that waited on something else says nothing of the storage.
     seek_s = max(0.0, statistics.median(times) - PAGE / rate)
     return SeekCost(min(MAX_SEEK_COST, int(seek_s * rate)), seek_s, rate, len(times))
 
 
 def _read(fd: int, offset: int, length: int, chunk: int, busy: Callable[[], bool]) -> float:
-    """Seconds to read ``[offset, offset + length)`` with ``pread``, ``chunk`` at a time."""
-    if busy():
-        raise MeasureStopped("a request arrived", retry=True)
+    """Seconds to read ``[offset, offset + length)`` with ``pread``, ``chunk`` at a time
+    (``busy()`` asked between chunks)."""
     started = time.perf_counter()
     end = offset + length
     while offset < end:
@@ -159,4 +187,6 @@ def _read(fd: int, offset: int, length: int, chunk: int, busy: Callable[[], bool
         if not got:
             raise MeasureStopped(f"the file ended at {offset}")
         offset += len(got)
+        if offset < end and busy():
+            raise MeasureStopped("a request arrived", retry=True)
     return time.perf_counter() - started

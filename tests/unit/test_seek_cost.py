@@ -1,10 +1,11 @@
 """The seek-cost measurement on real files (seek_cost.py): cold places only, exactly
-the bytes it names, stopped by a request."""
+the bytes it reads, a bounded search, stopped by a request."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.seek_cost import (
     LONG_BYTES,
+    MAX_CHECKED,
     MIN_FILE_BYTES,
     MIN_SEEKS,
     SHORT_BYTES,
@@ -46,17 +48,36 @@ def test_it_reads_only_cold_places_and_prices_a_seek(tmp_path: Path) -> None:
         gaps = [b - (a + n) for (a, n), (b, _) in itertools.pairwise(places)]
         assert min(gaps) >= SLOT - PAGE
         assert len(plan.seeks) >= MIN_SEEKS
-        cost = measure_seek_cost(fd, plan)
+        read: list[tuple[int, int]] = []
+        cost = measure_seek_cost(fd, plan, read=read)
         assert cost.seeks >= MIN_SEEKS
         assert cost.stream_bytes_per_s > 0
-        assert cost.seek_cost == int(cost.seek_s * cost.stream_bytes_per_s)
         assert 0 < cost.seek_cost < 64 * MiB  # a local disk: far below a network mount
-        # It read what it named: both windows whole, one page per seek, nothing else.
-        read = sum(resident_bytes(fd, a, b - a) for a, b in plan.ranges[:2])
-        assert read == LONG_BYTES + SHORT_BYTES
-        pages = [resident_bytes(fd, at, PAGE) for at in plan.seeks]
-        assert pages == [PAGE] * cost.seeks + [0] * (len(plan.seeks) - cost.seeks)
-        assert resident_bytes(fd, 0, size - 8 * MiB) == read + cost.seeks * PAGE
+        # It read what it says it read, and nothing else.
+        assert read[:2] == [(a, a + n) for a, n in windows]
+        assert read[2:] == [(at, at + PAGE) for at in plan.seeks[: cost.seeks]]
+        for start, stop in read:
+            assert resident_bytes(fd, start, stop - start) == stop - start
+        assert resident_bytes(fd, 0, size - 8 * MiB) == sum(b - a for a, b in read)
+    finally:
+        os.close(fd)
+
+
+def test_pages_warmed_after_planning_are_not_timed_as_storage(tmp_path: Path) -> None:
+    fd = _open(cold_file(tmp_path / "shard.bin", MIN_FILE_BYTES + 32 * MiB))
+    try:
+        plan = plan_seek_measurement(fd, MIN_FILE_BYTES + 32 * MiB)
+        warmed = plan.seeks[::2]  # someone reads half the seek places meanwhile
+        for at in warmed:
+            os.pread(fd, PAGE, at)
+        read: list[tuple[int, int]] = []
+        cost = measure_seek_cost(fd, plan, read=read)
+        assert not {a for a, _ in read[2:]} & set(warmed)
+        assert cost.seeks == len(read) - 2
+        os.pread(fd, PAGE, plan.long_at)  # and the window: no figure at all
+        with pytest.raises(MeasureStopped) as stopped:
+            measure_seek_cost(fd, plan)
+        assert not stopped.value.retry
     finally:
         os.close(fd)
 
@@ -77,19 +98,43 @@ def test_a_sparse_or_warm_file_has_nothing_to_measure(tmp_path: Path) -> None:
             os.close(fd)
 
 
+def test_a_huge_file_is_searched_a_bounded_amount(tmp_path: Path) -> None:
+    # 8 TiB with its data in a 4 MiB stretch near its end, and holes all around it.
+    huge = tmp_path / "huge.bin"
+    size = 2**43
+    with open(huge, "wb") as f:
+        f.truncate(size)
+        f.seek(size - 64 * MiB)
+        f.write(os.urandom(4 * MiB))
+        f.truncate(size)
+    allocated = cold_file(tmp_path / "allocated.bin", MIN_FILE_BYTES)
+    fd, big = _open(huge), os.open(allocated, os.O_RDONLY)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MeasureStopped, match="allocated"):  # mostly hole: not even looked at
+            plan_seek_measurement(fd, size)
+        # A file whose allocation passes is still searched at most MAX_CHECKED slots.
+        with pytest.raises(MeasureStopped, match=f"last {MAX_CHECKED} slots"):
+            plan_seek_measurement(big, size)  # told a huge size: its tail is past the end
+        assert time.monotonic() - started < 30
+    finally:
+        os.close(fd)
+        os.close(big)
+
+
 def test_a_request_stops_it_between_reads(tmp_path: Path) -> None:
     fd = _open(cold_file(tmp_path / "shard.bin", MIN_FILE_BYTES))
     asked: list[bool] = []
 
     def busy() -> bool:
         asked.append(True)
-        return len(asked) > 1  # a request arrives after the first read
+        return len(asked) > 1  # a request arrives during the first window's read
 
     try:
         plan = plan_seek_measurement(fd, MIN_FILE_BYTES)
         with pytest.raises(MeasureStopped) as stopped:
-            measure_seek_cost(fd, plan, busy=busy)
+            measure_seek_cost(fd, plan, busy=busy, chunk_bytes=8 * MiB)
         assert stopped.value.retry
-        assert resident_bytes(fd, 0, MIN_FILE_BYTES) == LONG_BYTES  # the first read only
+        assert resident_bytes(fd, 0, MIN_FILE_BYTES) == 8 * MiB  # one chunk, then nothing
     finally:
         os.close(fd)

@@ -110,6 +110,15 @@ class OpenFile:
         self.refs = 0
         self.failed = False  # changed under us: its requests failed, it is not planned again
 
+    @classmethod
+    def copy_of(cls, file: OpenFile, fd: int) -> OpenFile:
+        """The same file through ``fd`` (a duplicate of its descriptor), without asking
+        the file system anything again."""
+        copy = cls.__new__(cls)
+        copy.path, copy.fd, copy.identity = file.path, fd, file.identity
+        copy.trusted, copy.refs, copy.failed = file.trusted, 0, False
+        return copy
+
     @property
     def size(self) -> int:
         return self.identity.size

@@ -478,7 +478,7 @@ class Node:
         for file in request.files:
             self._users.setdefault(file, set()).add(request)
             if self.prober is not None:
-                self.prober.offer(file)
+                self.prober.offer(file, request.uid)
         needed_before = sum(self._plans[f].needed_bytes for f in request.files if f in self._plans)
         await self._replanned(request.files)
         if request not in self._requests:  # released while planning

@@ -1,4 +1,4 @@
-"""Each mount's seek cost, probed by the daemon once per mount while no request is live.
+"""Each mount's seek cost, probed by the daemon while no request is live.
 
 ``spanwarm calibrate`` is how an operator measures a mount's seek cost by hand; the daemon
 takes the same measurement (:mod:`spanwarm.seek_cost`: one stream's sequential rate from
@@ -6,23 +6,28 @@ a short and a long contiguous read, times the time of one seek from single pages
 apart) on a file a request named, so nobody has to. Its reads during a load cannot give
 the figure: with eight operations in flight, the fixed cost of each is mostly queueing.
 
-So once per mount (:class:`SeekProber`), when no request has been live for two ticks,
-it takes the largest file (``MIN_FILE_BYTES`` or more) a request named on a mount with
-no figure yet, and measures on places of it that are cold and allocated, through a fresh
-descriptor of its own, alone, on a thread at a lower CPU priority. A request arriving
-stops it between reads; the mount is probed at the next idle moment. What it read is
-dropped from the page cache afterwards, unless a live request names the file by then.
-A probe that does not return (hung storage) is given up after ``PROBE_TIMEOUT_S``, and
-its mount is not probed again until the daemon restarts (after ``MAX_STUCK`` such, no
-mount is). A file that gives no figure (nothing cold to measure, having been read whole
-by the load, say; or failing, or changing under the probe) leaves its mount to the next
-large file a request names. The figure is kept with the
-mount's throughput (``devices.json``), so a mount is probed once, not once per daemon
-start; ``--seek-cost`` overrides it, and then nothing is probed.
+So (:class:`SeekProber`), when no request has been live for two ticks, it takes the
+largest file (``MIN_FILE_BYTES`` or more) a request named on a mount with no figure yet,
+or one older than ``MAX_AGE_S``, and measures on places of it that are cold and
+allocated, through a fresh descriptor of its own, alone, on a thread at a lower CPU
+priority. A request arriving stops it between reads; the mount is probed at the next
+idle moment. What it read is dropped from the page cache afterwards, unless a live
+request names the file by then.
+
+What a user can do to it: a file that gives no figure (nothing cold left, having been
+read whole by the load, say; failing; changing under the probe) leaves its mount to the
+next large file a request names, and is not tried again. A probe that does not return
+(hung storage, a user's own FUSE server) is given up after ``PROBE_TIMEOUT_S``: its
+mount is not probed again until the daemon restarts, and a user whose requests named
+``MAX_STUCK_PER_UID`` such files gets no more probes of its files (the thread of each is
+lost). Places are checked cold again just before each read, so pages warmed meanwhile
+are not timed as storage; a figure is re-measured after ``MAX_AGE_S``, and deleting the
+mount's entry from ``devices.json`` (daemon stopped) or ``--seek-cost`` replaces it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 from spanwarm.daemon.admission import FileIdentity, OpenFile
 from spanwarm.daemon.threads import DaemonThreadPool
-from spanwarm.daemon.throughput import StreamThroughput
+from spanwarm.daemon.throughput import StreamThroughput, mount_name
 from spanwarm.seek_cost import (
     MIN_FILE_BYTES,
     MeasureStopped,
@@ -42,14 +47,16 @@ from spanwarm.seek_cost import (
     plan_seek_measurement,
 )
 
-__all__ = ["SeekProber"]
+__all__ = ["MAX_AGE_S", "SeekProber"]
 
 logger = logging.getLogger("spanwarm.daemon")
 
 PROBE_TIMEOUT_S = 120.0  # a probe still running then is stuck in the storage
 IDLE_TICKS = 2  # ticks with no live request before a probe starts
+MAX_AGE_S = 7 * 86400.0  # a figure older than a week is measured again
 MAX_CANDIDATES = 32  # mounts waiting for a probe, each holding one descriptor
-MAX_STUCK = 4  # probes lost in hung storage before probing stops until a restart
+CANDIDATE_TTL_S = 600.0  # a candidate not probed by then lets its descriptor go
+MAX_STUCK_PER_UID = 2  # probes of a user's files lost in hung storage: no more for it
 MAX_TRIED = 4096  # files remembered as having given no figure
 
 
@@ -57,7 +64,9 @@ MAX_TRIED = 4096  # files remembered as having given no figure
 class _Candidate:
     file: OpenFile  # a descriptor of its own (a dup): the request's may close first
     mount: str
-    read: list[tuple[int, int]] = field(default_factory=list)  # what the probe may read
+    uid: int  # whose request named it
+    offered: float = field(default_factory=time.monotonic)
+    read: list[tuple[int, int]] = field(default_factory=list)  # what the probe read
     started: float = 0.0
     future: Future[SeekCost] | None = None
 
@@ -66,7 +75,8 @@ class SeekProber:
     """Which mounts still need a seek cost, and the one probe running at a time.
 
     Driven from the event loop: :meth:`offer` as requests arrive, :meth:`tick` once a
-    second. The probe itself runs on a thread of its own (at a lower CPU priority).
+    second. The probe itself runs on a thread of its own (at a lower CPU priority), and
+    touches nothing of this object but its candidate's ``read`` list.
     """
 
     def __init__(
@@ -78,21 +88,28 @@ class SeekProber:
         self._waiting: dict[str, _Candidate] = {}  # mount -> the file to probe it on
         self._running: _Candidate | None = None
         self._done: set[str] = set()  # probed, or given up on, this run
-        self._tried: set[FileIdentity] = set()  # files that gave no figure: not again
-        self._stuck = 0  # probes that never returned: their threads are lost
+        self._tried: set[tuple[int, int]] = set()  # (st_dev, st_ino) that gave no figure
+        self._stuck: collections.Counter[int] = collections.Counter()  # per uid
         self._idle_ticks = 0
         self._pool = DaemonThreadPool(1, "spanwarm-probe", nice=10)
 
-    def offer(self, file: OpenFile) -> None:
-        """A request names ``file``: its mount is probed on it, if on none larger, and if
-        the mount's seek cost is not known yet (and mincore can be believed there: the
-        windows must be found cold)."""
+    def _wants(self, device: int) -> bool:
+        """Whether the mount of ``device`` has no figure yet, or an old one."""
+        age = self._learned.seek_cost_age(device)
+        return age is None or age > MAX_AGE_S
+
+    def offer(self, file: OpenFile, uid: int) -> None:
+        """A request of ``uid`` names ``file``: its mount is probed on it, if on none
+        larger, and if the mount needs a figure (and mincore can be believed there: the
+        places must be found cold)."""
         if file.size < MIN_FILE_BYTES or not file.trusted or file.failed:
             return
-        if file.identity in self._tried or self._stuck >= MAX_STUCK:
+        if self._stuck[uid] >= MAX_STUCK_PER_UID:
+            return
+        if (file.identity.device, file.identity.inode) in self._tried:
             return
         mount = self._learned.name(file.identity.device)
-        if mount in self._done or self._learned.seek_cost(file.identity.device):
+        if mount in self._done or not self._wants(file.identity.device):
             return
         if self._running is not None and self._running.mount == mount:
             return
@@ -102,62 +119,81 @@ class SeekProber:
         if known is None and len(self._waiting) >= MAX_CANDIDATES:
             return
         try:
-            copy = OpenFile(file.path, os.dup(file.fd), file.identity)
+            fd = os.dup(file.fd)
         except OSError:  # out of descriptors: the mount waits for another request
             return
         if known is not None:
             self._close(known.file.fd)
-        self._waiting[mount] = _Candidate(copy, mount)
+        self._waiting[mount] = _Candidate(OpenFile.copy_of(file, fd), mount, uid)
 
     def tick(
         self, *, idle: bool, busy: Callable[[], bool], wanted: Callable[[FileIdentity], bool]
     ) -> None:
         """Once a second, on the loop. ``idle``: no live request; ``busy()`` is asked from
-        the probe's thread between cells; ``wanted(identity)``: a live request names that
+        the probe's thread between reads; ``wanted(identity)``: a live request names that
         file (then what the probe read stays in the page cache)."""
+        now = time.monotonic()
+        for mount, candidate in list(self._waiting.items()):
+            if now - candidate.offered > CANDIDATE_TTL_S:  # the node was busy all along
+                del self._waiting[mount]
+                self._close(candidate.file.fd)
         running = self._running
         if running is not None and running.future is not None:
             if running.future.done():
                 self._finish(running, wanted)
-            elif time.monotonic() - running.started > PROBE_TIMEOUT_S:
-                logger.warning(
-                    "seek cost probe of %s has not returned in %.0f s: %s is not probed again",
-                    running.file.path,
-                    PROBE_TIMEOUT_S,
-                    running.mount,
-                )
-                self._done.add(running.mount)
-                self._running = None  # its thread is lost; a new one takes the next probe
-                self._stuck += 1
-                self._pool.grow_to(self._stuck + 1)
-                running.future.add_done_callback(lambda _: self._close(running.file.fd))
+            elif now - running.started > PROBE_TIMEOUT_S:
+                self._give_up(running)
             return
         self._idle_ticks = self._idle_ticks + 1 if idle else 0
-        if self._idle_ticks < IDLE_TICKS or not self._waiting or self._stuck >= MAX_STUCK:
+        if self._idle_ticks < IDLE_TICKS or not self._waiting:
             return
         mount, candidate = next(iter(self._waiting.items()))
         del self._waiting[mount]
-        candidate.started = time.monotonic()
+        candidate.started = now
         candidate.future = self._pool.submit(self._probe, candidate, busy)
         self._running = candidate
 
     def _probe(self, candidate: _Candidate, busy: Callable[[], bool]) -> SeekCost:
-        """In the probe's thread: find the places (mincore may fault pages in from a slow
-        mount), then measure through one fresh descriptor."""
+        """In the probe's thread: find the places (a bounded number of mincore and
+        SEEK_HOLE calls), then measure, through one fresh descriptor."""
         file = candidate.file
         with file.stream() as fd:
-            plan = plan_seek_measurement(fd, file.size)
-            candidate.read = plan.ranges
-            return measure_seek_cost(fd, plan, busy=busy, chunk_bytes=self._chunk)
+            plan = plan_seek_measurement(fd, file.size, busy=busy)
+            return measure_seek_cost(
+                fd, plan, busy=busy, chunk_bytes=self._chunk, read=candidate.read
+            )
+
+    def _give_up(self, running: _Candidate) -> None:
+        """A probe stuck in the storage: its thread is lost, its mount not probed again
+        this run, and its user's stuck count goes up; a new thread takes the next one."""
+        logger.warning(
+            "seek cost probe of %s has not returned in %.0f s: %s is not probed again",
+            running.file.path,
+            PROBE_TIMEOUT_S,
+            running.mount,
+        )
+        self._done.add(running.mount)
+        self._running = None
+        self._stuck[running.uid] += 1
+        self._pool.grow_to(sum(self._stuck.values()) + 1)
+        assert running.future is not None
+        running.future.add_done_callback(lambda _: self._close(running.file.fd))
+        if self._stuck[running.uid] >= MAX_STUCK_PER_UID:  # its other files: none probed
+            for mount, candidate in list(self._waiting.items()):
+                if candidate.uid == running.uid:
+                    del self._waiting[mount]
+                    self._close(candidate.file.fd)
 
     def _finish(self, candidate: _Candidate, wanted: Callable[[FileIdentity], bool]) -> None:
         self._running = None
+        self._idle_ticks = 0  # the next probe waits for idle ticks of its own
         file = candidate.file
         assert candidate.future is not None
         try:
             result = candidate.future.result()
         except MeasureStopped as exc:
             if exc.retry:  # a request came: the mount waits for the next idle moment
+                candidate.offered = time.monotonic()
                 self._waiting.setdefault(candidate.mount, candidate)
             else:  # nothing cold here (a file read whole, say): another file may do
                 logger.info("seek cost of %s not probed on %s: %s", candidate.mount, file.path, exc)
@@ -168,21 +204,7 @@ class SeekProber:
             )
             self._try_elsewhere(file)
         else:
-            self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
-            self._done.add(candidate.mount)
-            offered = self._waiting.pop(candidate.mount, None)  # while this one ran
-            if offered is not None:
-                self._close(offered.file.fd)
-            logger.info(
-                "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
-                "one stream %.1f MiB/s)",
-                candidate.mount,
-                result.seek_cost,
-                file.path,
-                result.seek_s * 1e3,
-                result.seeks,
-                result.stream_bytes_per_s / 2**20,
-            )
+            self._learn(candidate, result)
         if not wanted(file.identity):  # what the probe read, nobody asked for
             with contextlib.suppress(OSError):
                 for start, stop in candidate.read:
@@ -191,12 +213,33 @@ class SeekProber:
         if self._waiting.get(candidate.mount) is not candidate:
             self._close(file.fd)
 
+    def _learn(self, candidate: _Candidate, result: SeekCost) -> None:
+        file = candidate.file
+        if mount_name(file.identity.device) != candidate.mount:  # its device number reused
+            logger.warning("%s is no longer mounted: its seek cost is not kept", candidate.mount)
+            return
+        self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
+        self._done.add(candidate.mount)
+        offered = self._waiting.pop(candidate.mount, None)  # while this one ran
+        if offered is not None:
+            self._close(offered.file.fd)
+        logger.info(
+            "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
+            "one stream %.1f MiB/s)",
+            candidate.mount,
+            result.seek_cost,
+            file.path,
+            result.seek_s * 1e3,
+            result.seeks,
+            result.stream_bytes_per_s / 2**20,
+        )
+
     def _try_elsewhere(self, file: OpenFile) -> None:
-        """Not this file again (a user's file that fails, or changes under the probe, must
-        not keep its mount from being probed on another one)."""
+        """Not this file again, whatever its mtime (a user's file that fails, or changes
+        under the probe, must not keep its mount from being probed on another one)."""
         if len(self._tried) >= MAX_TRIED:
             self._tried.clear()
-        self._tried.add(file.identity)
+        self._tried.add((file.identity.device, file.identity.inode))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -37,8 +37,11 @@ import math
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
+
+from spanwarm.seek_cost import MAX_SEEK_COST
 
 __all__ = ["HALF_LIFE_BYTES", "MIN_SAMPLE_BYTES", "StreamThroughput", "mount_name"]
 
@@ -51,7 +54,6 @@ _STATE_FILE = "devices.json"
 _MAX_STATE_BYTES = 1 << 20
 _MAX_MOUNTS = 1024  # a state file names at most this many mounts (the most sampled)
 _MAX_RATE = 1e12  # bytes per second: past it, a figure is not believed
-_MAX_SEEK_COST = 1 << 40  # bytes: a kept figure past it is a damaged record
 
 
 def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
@@ -79,6 +81,7 @@ class _Mount:
     weighted_seconds: float = 0.0
     total_bytes: int = 0
     seek_cost: int = 0  # bytes, from a probe (0: not measured yet)
+    seek_probed_at: float = 0.0  # when, in seconds since the epoch
 
     @property
     def bytes_per_s(self) -> float:
@@ -139,13 +142,23 @@ class StreamThroughput:
             m = self._mounts.get(name)
             return 0 if m is None else m.seek_cost
 
+    def seek_cost_age(self, device: int) -> float | None:
+        """Seconds since ``device``'s mount was probed (None: never)."""
+        name = self.name(device)
+        with self._lock:
+            m = self._mounts.get(name)
+            if m is None or not m.seek_cost:
+                return None
+            return max(0.0, time.time() - m.seek_probed_at)
+
     def learn_seek_cost(self, device: int, seek_cost: int) -> None:
-        """A probe measured ``seek_cost`` bytes on ``device``'s mount (at least 1: a
+        """A probe measured ``seek_cost`` bytes on ``device``'s mount now (at least 1: a
         measured zero is kept as one byte, so that it reads as known)."""
         name = self.name(device)
         with self._lock:
             m = self._mounts.setdefault(name, _Mount())
-            m.seek_cost = min(max(1, int(seek_cost)), _MAX_SEEK_COST)
+            m.seek_cost = min(max(1, int(seek_cost)), MAX_SEEK_COST)
+            m.seek_probed_at = time.time()
             self._dirty = True
 
     def snapshot(self) -> list[tuple[str, float, int, int]]:
@@ -175,6 +188,7 @@ class StreamThroughput:
                         "weighted_seconds": m.weighted_seconds,
                         "total_bytes": m.total_bytes,
                         "seek_cost_bytes": m.seek_cost,
+                        "seek_probed_at": m.seek_probed_at,
                     }
                     for name, m in mounts[:_MAX_MOUNTS]
                 },
@@ -228,8 +242,13 @@ def _parse(document: Any) -> dict[str, _Mount]:
             for v in values
         ):
             raise ValueError(f"mount {name!r}: not three numbers from 0 to 2**63")
-        seek_cost = entry.get("seek_cost_bytes", 0)  # absent in files from before the probe
-        if type(seek_cost) is not int or not 0 <= seek_cost <= _MAX_SEEK_COST:
+        # Both absent in files from before the probe.
+        seek_cost, probed_at = entry.get("seek_cost_bytes", 0), entry.get("seek_probed_at", 0)
+        if type(seek_cost) is not int or not 0 <= seek_cost <= MAX_SEEK_COST:
             raise ValueError(f"mount {name!r}: seek_cost_bytes is not a byte count")
-        out[name] = _Mount(float(values[0]), float(values[1]), int(values[2]), seek_cost)
+        if type(probed_at) not in (int, float) or not 0 <= probed_at < 2**40:
+            raise ValueError(f"mount {name!r}: seek_probed_at is not a time")
+        out[name] = _Mount(
+            float(values[0]), float(values[1]), int(values[2]), seek_cost, float(probed_at)
+        )
     return out

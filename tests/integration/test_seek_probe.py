@@ -3,12 +3,14 @@ plans with the figure, keeps it across restarts and shows it; --seek-cost overri
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,10 @@ import pytest
 
 from spanwarm.client import Client
 from spanwarm.costmodel import DEFAULT_SEEK_COST
-from spanwarm.daemon.throughput import mount_name
+from spanwarm.daemon import seek_probe
+from spanwarm.daemon.admission import FileIdentity, OpenFile
+from spanwarm.daemon.seek_probe import SeekProber
+from spanwarm.daemon.throughput import StreamThroughput, mount_name
 from spanwarm.residency import resident_bytes
 from spanwarm.seek_cost import MIN_FILE_BYTES
 from tests.daemon_harness import cold_file, running_daemon
@@ -151,3 +156,66 @@ def test_a_slow_mount_is_priced_at_its_latency_times_its_rate(tmp_path: Path) ->
         client.close()
     expected = latency * bandwidth
     assert expected / 2 <= learned <= expected * 2, (learned, expected)
+
+
+def _offered(path: Path) -> OpenFile:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    return OpenFile(str(path), fd, FileIdentity.of(os.fstat(fd)))
+
+
+def _logged(caplog: pytest.LogCaptureFixture, text: str, times: int) -> bool:
+    return caplog.text.count(text) == times
+
+
+def _tick_until(prober: SeekProber, done: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Tick as the node does while idle, faster, until ``done()`` (False at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        prober.tick(idle=True, busy=lambda: False, wanted=lambda _: False)
+        time.sleep(0.05)
+    return True
+
+
+def test_probes_stuck_in_hung_storage_are_given_up_and_their_user_gets_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.slowfs import Hang, fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    monkeypatch.setattr(seek_probe, "PROBE_TIMEOUT_S", 1.0)
+    source = tmp_path / "src"
+    source.mkdir()
+    cold_file(source / "hung.bin", MIN_FILE_BYTES + 8 * MiB)
+    local = cold_file(tmp_path / "local.bin", MIN_FILE_BYTES + 8 * MiB)
+    learned = StreamThroughput()
+    prober = SeekProber(learned, chunk=8 * MiB)
+    opened: list[OpenFile] = []
+    given_up = "has not returned"
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="sw-mnt-") as one,
+            tempfile.TemporaryDirectory(prefix="sw-mnt-") as two,
+            mount(source, Path(one), "local", hangs=[Hang("hung.bin", 3600)]),
+            mount(source, Path(two), "local", hangs=[Hang("hung.bin", 3600)]),
+        ):
+            for n, mountpoint in enumerate((one, two), start=1):
+                opened.append(_offered(Path(mountpoint) / "hung.bin"))
+                prober.offer(opened[-1], uid=1000)
+                assert _tick_until(prober, functools.partial(_logged, caplog, given_up, n))
+            # Its mounts are not probed again, and that user's files no more at all.
+            prober.offer(opened[0], uid=2000)
+            opened.append(_offered(local))
+            prober.offer(opened[-1], uid=1000)
+            assert not _tick_until(prober, lambda: learned.seek_cost(os.stat(local).st_dev) > 0, 3)
+            # Another user's request for the same local file: probed.
+            prober.offer(opened[-1], uid=2000)
+            assert _tick_until(prober, lambda: learned.seek_cost(os.stat(local).st_dev) > 0)
+            assert caplog.text.count(given_up) == 2
+    finally:
+        prober.close()
+        for file in opened:
+            os.close(file.fd)

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from spanwarm.client import Client
+from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.daemon.throughput import mount_name
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
@@ -368,14 +369,18 @@ def probed_seek_cost(socket: str, path: Path, daemon_args: list[str]) -> int:
         return parse_size(daemon_args[daemon_args.index("--seek-cost") + 1])
     mount = mount_name(os.stat(path).st_dev)
     client = Client(socket)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         known = {m["mount"]: m["seek_cost_bytes"] for m in client.status()["mounts"]}
         if known.get(mount):
             client.close()
             return int(known[mount])
         time.sleep(0.2)
-    raise RuntimeError(f"the daemon did not probe {mount} within 300 s")
+    client.close()
+    # None of the files the load named had cold places left: the daemon plans at the
+    # default, and may probe during a later arm, on a file a later load names.
+    print(f"  {mount}: not probed after the first load; seek cost stays the default")
+    return DEFAULT_SEEK_COST
 
 
 def warm_cache(

@@ -113,7 +113,7 @@ def test_seek_cost_set_by_hand_is_used_and_nothing_is_probed(tmp_path: Path) -> 
 
 
 def test_a_file_with_nothing_cold_leaves_the_mount_to_the_next_one(tmp_path: Path) -> None:
-    warm = cold_file(tmp_path / "warm.safetensors", MIN_FILE_BYTES + 8 * MiB, seed=1)
+    warm = cold_file(tmp_path / "warm.safetensors", MIN_FILE_BYTES + 16 * MiB, seed=1)
     cold = cold_file(tmp_path / "cold.safetensors", MIN_FILE_BYTES + 8 * MiB, seed=2)
     log = tmp_path / "daemon.log"
     with (
@@ -124,10 +124,10 @@ def test_a_file_with_nothing_cold_leaves_the_mount_to_the_next_one(tmp_path: Pat
         with open(warm, "rb") as f:  # all of it resident: nothing a probe could measure
             while f.read(8 * MiB):
                 pass
-        _load(client, warm)
-        time.sleep(4)  # two idle ticks and the probe's answer
-        assert not any(m["seek_cost_bytes"] for m in client.status()["mounts"])
-        _load(client, cold)
+        # One load names both; the larger one is tried first, then the other, unasked.
+        ticket = client.request([span("w", warm, 0, 4 * MiB), span("c", cold, 0, 4 * MiB)])
+        assert ticket.wait(timeout=60)
+        ticket.cancel()
         assert _probed(client)["seek_cost_bytes"] > 0
         client.close()
     text = log.read_text()

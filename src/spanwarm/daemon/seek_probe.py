@@ -10,9 +10,10 @@ So (:class:`SeekProber`), when no request has been live for two ticks, it takes 
 largest file (``MIN_FILE_BYTES`` or more) a request named on a mount with no figure yet,
 or one older than ``MAX_AGE_S``, and measures on places of it that are cold and
 allocated, through a fresh descriptor of its own, alone, on a thread at a lower CPU
-priority. A request arriving stops it between reads; the mount is probed at the next
-idle moment. What it read is dropped from the page cache afterwards, unless a live
-request names the file by then.
+priority; the ``MAX_PER_MOUNT`` largest files a mount's requests named are kept and
+tried in turn, since the load may have read one all over. A request arriving stops the
+probe between reads; the mount is probed at the next idle moment. What it read is
+dropped from the page cache afterwards, unless a live request names the file by then.
 
 What a user can do to it: a file that gives no figure (nothing cold left, having been
 read whole by the load, say; failing; changing under the probe) leaves its mount to the
@@ -54,7 +55,8 @@ logger = logging.getLogger("spanwarm.daemon")
 PROBE_TIMEOUT_S = 120.0  # a probe still running then is stuck in the storage
 IDLE_TICKS = 2  # ticks with no live request before a probe starts
 MAX_AGE_S = 7 * 86400.0  # a figure older than a week is measured again
-MAX_CANDIDATES = 32  # mounts waiting for a probe, each holding one descriptor
+MAX_CANDIDATES = 32  # files waiting for a probe, each holding one descriptor
+MAX_PER_MOUNT = 8  # the largest files of a mount: tried in turn until one gives a figure
 CANDIDATE_TTL_S = 600.0  # a candidate not probed by then lets its descriptor go
 MAX_STUCK_PER_UID = 2  # probes of a user's files lost in hung storage: no more for it
 MAX_TRIED = 4096  # files remembered as having given no figure
@@ -71,6 +73,12 @@ class _Candidate:
     future: Future[SeekCost] | None = None
 
 
+def _key(item: OpenFile | _Candidate) -> tuple[int, int]:
+    """A file by (st_dev, st_ino): the same file whatever its size and mtime now."""
+    identity = item.file.identity if isinstance(item, _Candidate) else item.identity
+    return identity.device, identity.inode
+
+
 class SeekProber:
     """Which mounts still need a seek cost, and the one probe running at a time.
 
@@ -85,7 +93,7 @@ class SeekProber:
         self._learned = learned
         self._chunk = chunk
         self._close = close
-        self._waiting: dict[str, _Candidate] = {}  # mount -> the file to probe it on
+        self._waiting: list[_Candidate] = []  # largest first
         self._running: _Candidate | None = None
         self._done: set[str] = set()  # probed, or given up on, this run
         self._tried: set[tuple[int, int]] = set()  # (st_dev, st_ino) that gave no figure
@@ -99,32 +107,34 @@ class SeekProber:
         return age is None or age > MAX_AGE_S
 
     def offer(self, file: OpenFile, uid: int) -> None:
-        """A request of ``uid`` names ``file``: its mount is probed on it, if on none
-        larger, and if the mount needs a figure (and mincore can be believed there: the
-        places must be found cold)."""
+        """A request of ``uid`` names ``file``: kept to probe its mount on, if the mount
+        needs a figure, among its ``MAX_PER_MOUNT`` largest files (and if mincore can be
+        believed there: the places must be found cold)."""
         if file.size < MIN_FILE_BYTES or not file.trusted or file.failed:
             return
         if self._stuck[uid] >= MAX_STUCK_PER_UID:
             return
-        if (file.identity.device, file.identity.inode) in self._tried:
+        if _key(file) in self._tried:
             return
         mount = self._learned.name(file.identity.device)
         if mount in self._done or not self._wants(file.identity.device):
             return
-        if self._running is not None and self._running.mount == mount:
+        running = [] if self._running is None else [self._running]
+        if any(_key(c) == _key(file) for c in (*self._waiting, *running)):
             return
-        known = self._waiting.get(mount)
-        if known is not None and known.file.size >= file.size:
-            return
-        if known is None and len(self._waiting) >= MAX_CANDIDATES:
+        same = [c for c in self._waiting if c.mount == mount]
+        smallest = min(same, key=lambda c: c.file.size, default=None)
+        full = len(same) >= MAX_PER_MOUNT or len(self._waiting) >= MAX_CANDIDATES
+        if full and (smallest is None or smallest.file.size >= file.size):
             return
         try:
             fd = os.dup(file.fd)
         except OSError:  # out of descriptors: the mount waits for another request
             return
-        if known is not None:
-            self._close(known.file.fd)
-        self._waiting[mount] = _Candidate(OpenFile.copy_of(file, fd), mount, uid)
+        if full and smallest is not None:  # a larger file takes the smallest one's place
+            self._drop(smallest)
+        self._waiting.append(_Candidate(OpenFile.copy_of(file, fd), mount, uid))
+        self._waiting.sort(key=lambda c: -c.file.size)
 
     def tick(
         self, *, idle: bool, busy: Callable[[], bool], wanted: Callable[[FileIdentity], bool]
@@ -133,10 +143,9 @@ class SeekProber:
         the probe's thread between reads; ``wanted(identity)``: a live request names that
         file (then what the probe read stays in the page cache)."""
         now = time.monotonic()
-        for mount, candidate in list(self._waiting.items()):
+        for candidate in list(self._waiting):
             if now - candidate.offered > CANDIDATE_TTL_S:  # the node was busy all along
-                del self._waiting[mount]
-                self._close(candidate.file.fd)
+                self._drop(candidate)
         running = self._running
         if running is not None and running.future is not None:
             if running.future.done():
@@ -147,8 +156,7 @@ class SeekProber:
         self._idle_ticks = self._idle_ticks + 1 if idle else 0
         if self._idle_ticks < IDLE_TICKS or not self._waiting:
             return
-        mount, candidate = next(iter(self._waiting.items()))
-        del self._waiting[mount]
+        candidate = self._waiting.pop(0)
         candidate.started = now
         candidate.future = self._pool.submit(self._probe, candidate, busy)
         self._running = candidate
@@ -178,11 +186,9 @@ class SeekProber:
         self._pool.grow_to(sum(self._stuck.values()) + 1)
         assert running.future is not None
         running.future.add_done_callback(lambda _: self._close(running.file.fd))
-        if self._stuck[running.uid] >= MAX_STUCK_PER_UID:  # its other files: none probed
-            for mount, candidate in list(self._waiting.items()):
-                if candidate.uid == running.uid:
-                    del self._waiting[mount]
-                    self._close(candidate.file.fd)
+        for candidate in list(self._waiting):  # the mount's other files; a stuck user's
+            if candidate.mount == running.mount or self._stuck[candidate.uid] >= MAX_STUCK_PER_UID:
+                self._drop(candidate)
 
     def _finish(self, candidate: _Candidate, wanted: Callable[[FileIdentity], bool]) -> None:
         self._running = None
@@ -194,7 +200,8 @@ class SeekProber:
         except MeasureStopped as exc:
             if exc.retry:  # a request came: the mount waits for the next idle moment
                 candidate.offered = time.monotonic()
-                self._waiting.setdefault(candidate.mount, candidate)
+                self._waiting.append(candidate)
+                self._waiting.sort(key=lambda c: -c.file.size)
             else:  # nothing cold here (a file read whole, say): another file may do
                 logger.info("seek cost of %s not probed on %s: %s", candidate.mount, file.path, exc)
                 self._try_elsewhere(file)
@@ -210,7 +217,7 @@ class SeekProber:
                 for start, stop in candidate.read:
                     os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
         candidate.read = []
-        if self._waiting.get(candidate.mount) is not candidate:
+        if candidate not in self._waiting:
             self._close(file.fd)
 
     def _learn(self, candidate: _Candidate, result: SeekCost) -> None:
@@ -220,9 +227,9 @@ class SeekProber:
             return
         self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
         self._done.add(candidate.mount)
-        offered = self._waiting.pop(candidate.mount, None)  # while this one ran
-        if offered is not None:
-            self._close(offered.file.fd)
+        for other in list(self._waiting):  # the mount's other files: not needed now
+            if other.mount == candidate.mount:
+                self._drop(other)
         logger.info(
             "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
             "one stream %.1f MiB/s)",
@@ -234,12 +241,16 @@ class SeekProber:
             result.stream_bytes_per_s / 2**20,
         )
 
+    def _drop(self, candidate: _Candidate) -> None:
+        self._waiting.remove(candidate)
+        self._close(candidate.file.fd)
+
     def _try_elsewhere(self, file: OpenFile) -> None:
         """Not this file again, whatever its mtime (a user's file that fails, or changes
         under the probe, must not keep its mount from being probed on another one)."""
         if len(self._tried) >= MAX_TRIED:
             self._tried.clear()
-        self._tried.add((file.identity.device, file.identity.inode))
+        self._tried.add(_key(file))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -247,6 +258,5 @@ class SeekProber:
         if running is not None and running.future is not None:
             running.future.add_done_callback(lambda _: self._close(running.file.fd))
         self._running = None
-        for candidate in self._waiting.values():
-            self._close(candidate.file.fd)
-        self._waiting.clear()
+        for candidate in list(self._waiting):
+            self._drop(candidate)

@@ -219,3 +219,39 @@ def test_probes_stuck_in_hung_storage_are_given_up_and_their_user_gets_no_more(
         prober.close()
         for file in opened:
             os.close(file.fd)
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_one_users_files_hold_at_most_their_share_of_the_waiting_room(tmp_path: Path) -> None:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm: a second mount is needed")
+    # Sparse files: offering looks at sizes only; nothing here is probed.
+    opened = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        for i, directory in enumerate([tmp_path] * 6 + [Path(shm)] * 6):
+            path = directory / f"f{i}.bin"
+            with open(path, "wb") as f:
+                f.truncate(MIN_FILE_BYTES + i * MiB)
+            opened.append(_offered(path))
+        prober = SeekProber(StreamThroughput(), chunk=8 * MiB)
+        before = _descriptors()
+        try:
+            for file in opened:
+                prober.offer(file, uid=1000)
+            assert _descriptors() - before == 8  # the user's share, not the 12 it named
+            # Another user's request still finds room.
+            other = Path(shm) / "other.bin"
+            with open(other, "wb") as f:
+                f.truncate(MIN_FILE_BYTES)
+            opened.append(_offered(other))
+            before_other = _descriptors()
+            prober.offer(opened[-1], uid=2000)
+            assert _descriptors() - before_other == 1
+        finally:
+            prober.close()
+            assert _descriptors() == before + 1  # every copy closed; "other" is ours
+            for file in opened:
+                os.close(file.fd)

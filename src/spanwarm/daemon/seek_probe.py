@@ -17,13 +17,16 @@ dropped from the page cache afterwards, unless a live request names the file by 
 
 What a user can do to it: a file that gives no figure (nothing cold left, having been
 read whole by the load, say; failing; changing under the probe) leaves its mount to the
-next large file a request names, and is not tried again. A probe that does not return
-(hung storage, a user's own FUSE server) is given up after ``PROBE_TIMEOUT_S``: its
-mount is not probed again until the daemon restarts, and a user whose requests named
-``MAX_STUCK_PER_UID`` such files gets no more probes of its files (the thread of each is
-lost). Places are checked cold again just before each read, so pages warmed meanwhile
-are not timed as storage; a figure is re-measured after ``MAX_AGE_S``, and deleting the
-mount's entry from ``devices.json`` (daemon stopped) or ``--seek-cost`` replaces it.
+next large file a request names, and is not tried again; after ``MAX_FAILED_PER_UID``
+such files named by one user's requests, that user's files are not offered any more, and
+one user's requests hold at most ``MAX_WAITING_PER_UID`` of the waiting files. A probe
+that does not return (hung storage, a user's own FUSE server) is given up after
+``PROBE_TIMEOUT_S``: its mount is not probed again until the daemon restarts, and a user
+whose requests named ``MAX_STUCK_PER_UID`` such files gets no more probes of its files
+(the thread of each is lost). Places are checked cold again just before each read, so
+pages warmed meanwhile are not timed as storage; a figure is re-measured after
+``MAX_AGE_S``, and deleting the mount's entry from ``devices.json`` (daemon stopped) or
+``--seek-cost`` replaces it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ MAX_CANDIDATES = 32  # files waiting for a probe, each holding one descriptor
 MAX_PER_MOUNT = 8  # the largest files of a mount: tried in turn until one gives a figure
 CANDIDATE_TTL_S = 600.0  # a candidate not probed by then lets its descriptor go
 MAX_STUCK_PER_UID = 2  # probes of a user's files lost in hung storage: no more for it
+MAX_FAILED_PER_UID = 16  # a user's files that gave no figure: no more for it
+MAX_WAITING_PER_UID = 8  # files of one user's requests waiting: others' get room too
 MAX_TRIED = 4096  # files remembered as having given no figure
 
 
@@ -98,6 +103,7 @@ class SeekProber:
         self._done: set[str] = set()  # probed, or given up on, this run
         self._tried: set[tuple[int, int]] = set()  # (st_dev, st_ino) that gave no figure
         self._stuck: collections.Counter[int] = collections.Counter()  # per uid
+        self._failed: collections.Counter[int] = collections.Counter()  # per uid
         self._idle_ticks = 0
         self._pool = DaemonThreadPool(1, "spanwarm-probe", nice=10)
 
@@ -112,7 +118,7 @@ class SeekProber:
         believed there: the places must be found cold)."""
         if file.size < MIN_FILE_BYTES or not file.trusted or file.failed:
             return
-        if self._stuck[uid] >= MAX_STUCK_PER_UID:
+        if self._stuck[uid] >= MAX_STUCK_PER_UID or self._failed[uid] >= MAX_FAILED_PER_UID:
             return
         if _key(file) in self._tried:
             return
@@ -122,16 +128,27 @@ class SeekProber:
         running = [] if self._running is None else [self._running]
         if any(_key(c) == _key(file) for c in (*self._waiting, *running)):
             return
+        # Full (per mount, per user, or in all): a larger file takes the place of the
+        # smallest of the mount's, or else of the user's own; never of another user's
+        # files on other mounts.
         same = [c for c in self._waiting if c.mount == mount]
-        smallest = min(same, key=lambda c: c.file.size, default=None)
-        full = len(same) >= MAX_PER_MOUNT or len(self._waiting) >= MAX_CANDIDATES
-        if full and (smallest is None or smallest.file.size >= file.size):
+        own = [c for c in self._waiting if c.uid == uid]
+        if len(same) >= MAX_PER_MOUNT:
+            pool: list[_Candidate] | None = same
+        elif len(own) >= MAX_WAITING_PER_UID:
+            pool = own
+        elif len(self._waiting) >= MAX_CANDIDATES:
+            pool = own or same
+        else:
+            pool = None
+        smallest = None if pool is None else min(pool, key=lambda c: c.file.size, default=None)
+        if pool is not None and (smallest is None or smallest.file.size >= file.size):
             return
         try:
             fd = os.dup(file.fd)
         except OSError:  # out of descriptors: the mount waits for another request
             return
-        if full and smallest is not None:  # a larger file takes the smallest one's place
+        if smallest is not None:
             self._drop(smallest)
         self._waiting.append(_Candidate(OpenFile.copy_of(file, fd), mount, uid))
         self._waiting.sort(key=lambda c: -c.file.size)
@@ -156,9 +173,10 @@ class SeekProber:
         self._idle_ticks = self._idle_ticks + 1 if idle else 0
         if self._idle_ticks < IDLE_TICKS or not self._waiting:
             return
-        candidate = self._waiting.pop(0)
+        candidate = self._waiting[0]
         candidate.started = now
         candidate.future = self._pool.submit(self._probe, candidate, busy)
+        self._waiting.pop(0)
         self._running = candidate
 
     def _probe(self, candidate: _Candidate, busy: Callable[[], bool]) -> SeekCost:
@@ -180,15 +198,16 @@ class SeekProber:
             PROBE_TIMEOUT_S,
             running.mount,
         )
-        self._done.add(running.mount)
         self._running = None
-        self._stuck[running.uid] += 1
-        self._pool.grow_to(sum(self._stuck.values()) + 1)
         assert running.future is not None
         running.future.add_done_callback(lambda _: self._close(running.file.fd))
+        self._stuck[running.uid] += 1
+        if mount_name(running.file.identity.device) == running.mount:  # not a reused number
+            self._done.add(running.mount)
         for candidate in list(self._waiting):  # the mount's other files; a stuck user's
-            if candidate.mount == running.mount or self._stuck[candidate.uid] >= MAX_STUCK_PER_UID:
+            if candidate.mount in self._done or self._stuck[candidate.uid] >= MAX_STUCK_PER_UID:
                 self._drop(candidate)
+        self._pool.grow_to(sum(self._stuck.values()) + 1)
 
     def _finish(self, candidate: _Candidate, wanted: Callable[[FileIdentity], bool]) -> None:
         self._running = None
@@ -202,14 +221,16 @@ class SeekProber:
                 candidate.offered = time.monotonic()
                 self._waiting.append(candidate)
                 self._waiting.sort(key=lambda c: -c.file.size)
+                if len(self._waiting) > MAX_CANDIDATES:  # offered meanwhile: the smallest goes
+                    self._drop(self._waiting[-1])
             else:  # nothing cold here (a file read whole, say): another file may do
                 logger.info("seek cost of %s not probed on %s: %s", candidate.mount, file.path, exc)
-                self._try_elsewhere(file)
+                self._try_elsewhere(candidate)
         except Exception as exc:  # a failing or changing file: another file may do
             logger.warning(
                 "seek cost probe of %s on %s failed: %s", candidate.mount, file.path, exc
             )
-            self._try_elsewhere(file)
+            self._try_elsewhere(candidate)
         else:
             self._learn(candidate, result)
         if not wanted(file.identity):  # what the probe read, nobody asked for
@@ -226,7 +247,6 @@ class SeekProber:
             logger.warning("%s is no longer mounted: its seek cost is not kept", candidate.mount)
             return
         self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
-        self._done.add(candidate.mount)
         for other in list(self._waiting):  # the mount's other files: not needed now
             if other.mount == candidate.mount:
                 self._drop(other)
@@ -245,12 +265,14 @@ class SeekProber:
         self._waiting.remove(candidate)
         self._close(candidate.file.fd)
 
-    def _try_elsewhere(self, file: OpenFile) -> None:
+    def _try_elsewhere(self, candidate: _Candidate) -> None:
         """Not this file again, whatever its mtime (a user's file that fails, or changes
-        under the probe, must not keep its mount from being probed on another one)."""
+        under the probe, must not keep its mount from being probed on another one), and
+        one more failure against the user whose request named it."""
         if len(self._tried) >= MAX_TRIED:
             self._tried.clear()
-        self._tried.add(_key(file))
+        self._tried.add(_key(candidate))
+        self._failed[candidate.uid] += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -16,24 +16,25 @@ load; reported as the median of the paired ratios.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from spanwarm.calibrate import calibrate
-from spanwarm.client import Client
-from spanwarm.daemon.spawn import spawn_daemon
-from spanwarm.residency import evict
-from spanwarm.tensor_layout import TensorSpans
-from spanwarm.units import format_bytes, parse_size
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script, bench/ is on the path but its parent is not
+    sys.path.insert(0, str(ROOT))
+
+from bench.bench_end_to_end import mounted  # noqa: E402
+from spanwarm.calibrate import calibrate  # noqa: E402
+from spanwarm.client import Client  # noqa: E402
+from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
+from spanwarm.residency import evict  # noqa: E402
+from spanwarm.tensor_layout import TensorSpans  # noqa: E402
+from spanwarm.units import format_bytes, parse_size  # noqa: E402
+
 MiB = 2**20
 LOAD_BYTES = 64 * MiB
 TENSOR_BYTES = 8 * MiB
@@ -48,26 +49,6 @@ def shard(directory: Path, size: int) -> Path:
             for start in range(0, size, 64 * MiB):
                 f.write(rng.integers(0, 256, min(64 * MiB, size - start), np.uint8).tobytes())
     return path
-
-
-@contextlib.contextmanager
-def mounted(path: Path, preset: str) -> Iterator[Path]:
-    """``path`` as seen through the emulated mount ``preset`` (itself, for local)."""
-    if preset == "local":
-        yield path
-        return
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from bench.slowfs import fuse_available, mount
-
-    reason = fuse_available()
-    if reason is not None:
-        raise SystemExit(f"{preset}: FUSE is not available here ({reason})")
-    with (
-        tempfile.TemporaryDirectory(prefix="sw-mnt-") as mountpoint,
-        mount(path.parent, Path(mountpoint), preset),
-    ):
-        yield Path(mountpoint) / path.name
 
 
 def learned(path: Path) -> tuple[int, float]:
@@ -109,7 +90,8 @@ def main() -> int:
     source = shard(args.dir, args.size)
     rows = []
     for preset in args.mounts.split(","):
-        with mounted(source, preset) as path:
+        with mounted(source.parent, preset) as (directory, _):
+            path = directory / source.name
             runs = []
             for rep in range(args.reps):  # paired: a fresh daemon's probe, then calibrate
                 seek_cost, after_s = learned(path)

@@ -41,6 +41,7 @@ import spanwarm.integrations.dcp as spanwarm_dcp
 from spanwarm.client import Client
 from spanwarm.integrations.dcp import DcpLoad, PrefetchReader
 from spanwarm.residency import evict
+from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, reads
 
 SAVED: dict[str, tuple[list[Placement], tuple[int, ...], torch.dtype]] = {
@@ -257,3 +258,4 @@ def main(out: Path, socket: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    exit_rank()

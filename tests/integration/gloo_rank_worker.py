@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from spanwarm.client import rank_spans
+from tests.integration.rank_exit import exit_rank
 
 PLACEMENTS: dict[str, list[Placement]] = {
     "w_rowwise": [_StridedShard(0, split_factor=2), Shard(0)],
@@ -45,3 +46,4 @@ def main(checkpoint: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    exit_rank()

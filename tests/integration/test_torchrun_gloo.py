@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
+from tests.integration.torchrun import REPO  # noqa: E402
+
 WORKER = Path(__file__).with_name("gloo_rank_worker.py")
 
 
@@ -27,7 +29,8 @@ def test_spans_read_back_each_ranks_local_tensor(tmp_path: Path) -> None:
     checkpoint = tmp_path / "model.safetensors"
     save_file(weights, str(checkpoint))
     torch.save(weights, checkpoint.with_suffix(".pt"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The worker imports tests.*: the repository root goes on its path.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     subprocess.run(
         [
             sys.executable,

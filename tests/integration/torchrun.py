@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.daemon_harness import running_daemon
 
-__all__ = ["RANKS", "run_ranks"]
+__all__ = ["RANKS", "REPO", "run_ranks"]
 
 RANKS = 4
 REPO = Path(__file__).parents[2]
@@ -19,7 +19,13 @@ def run_ranks(worker: Path, *args: str) -> None:
     """``worker ARGS... SOCKET`` on every rank, a fresh daemon's socket last; fails the
     test with the ranks' stderr if any rank fails. Workers import ``tests.*``: the
     repository root is on their path."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+        "PYTHONFAULTHANDLER": "1",  # a rank that dies shows its threads' Python stacks
+    }
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     with running_daemon() as daemon:
         run = subprocess.run(

@@ -41,6 +41,7 @@ import spanwarm.integrations.dcp as spanwarm_dcp
 from spanwarm.client import Client
 from spanwarm.residency import evict
 from tests.integration.dcp_rank import Warnings, record_native_reads, result
+from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, reads
 
 
@@ -145,3 +146,4 @@ def main(out: Path, socket: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    exit_rank()

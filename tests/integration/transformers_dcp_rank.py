@@ -26,6 +26,7 @@ import spanwarm.integrations.transformers as spanwarm_tf
 from spanwarm.client import Client
 from spanwarm.integrations.dcp import DcpLoad
 from spanwarm.residency import evict
+from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, reads
 
 SAVED_WITH: dict[str, Any] = {"tp_size": 2, "fsdp_size": 2}
@@ -113,3 +114,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

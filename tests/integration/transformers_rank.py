@@ -28,6 +28,7 @@ from transformers import DistributedConfig, modeling_utils
 
 import spanwarm.integrations.transformers as spanwarm_tf
 from spanwarm.client import Client
+from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, read_order, reads
 
 
@@ -105,3 +106,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

@@ -69,7 +69,7 @@ def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
         mount = _probed(client)
         assert mount["mount"] == mount_name(os.stat(path).st_dev)
         assert 0 < mount["seek_cost_bytes"] < 64 * MiB  # a local disk, not a network mount
-        learned = mount["seek_cost_bytes"]
+        learned, rate = mount["seek_cost_bytes"], mount["stream_bytes_per_s"]
         # What the probe read, nobody asked for: it left the page cache again.
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -82,12 +82,18 @@ def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
     assert f"seek cost of {mount['mount']}: {learned} bytes" in first_log.read_text()
     saved = json.loads((state / "devices.json").read_text())
     assert saved["mounts"][mount["mount"]]["seek_cost_bytes"] == learned
+    # One lone stream's rate, as the probe measured it, bounds the ranks' waits: the
+    # daemon's own per-stream figure, with its workers side by side, is lower on a disk.
+    lone = float(re.findall(r"one stream ([0-9.]+) MiB/s", first_log.read_text())[0]) * MiB
+    assert saved["mounts"][mount["mount"]]["lone_bytes_per_s"] == pytest.approx(lone, rel=0.01)
+    assert rate >= lone * 0.99
     with (
         second_log.open("wb") as stderr,
         running_daemon(*FLAGS, "--state-dir", str(state), stderr=stderr) as daemon,
     ):
         client = Client(daemon.socket)
-        assert _probed(client, timeout=0)["seek_cost_bytes"] == learned  # kept, not probed
+        kept = _probed(client, timeout=0)  # kept, not probed
+        assert (kept["seek_cost_bytes"], kept["stream_bytes_per_s"]) == (learned, rate)
         _load(client, path)
         client.close()
     assert _seek_costs_logged(second_log) == [learned]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -83,16 +84,40 @@ def test_a_probed_seek_cost_is_kept_with_the_mount(tmp_path: Path) -> None:
     first = StreamThroughput(str(tmp_path))
     device = os.makedev(0, 52)
     assert first.seek_cost(device) == 0  # not measured
-    first.learn_seek_cost(device, 0)  # a measured zero still reads as known
+    first.learn_seek_cost(device, 0, math.inf)  # a measured zero still reads as known
     assert first.seek_cost(device) == 1
-    first.learn_seek_cost(device, 3 << 20)
+    assert first.bytes_per_s(device) == 0.0  # an infinite rate is not kept
+    first.learn_seek_cost(device, 3 << 20, 700e6)
     first.save()
     again = StreamThroughput(str(tmp_path))
     assert again.seek_cost(device) == 3 << 20
+    assert again.bytes_per_s(device) == 700e6
     assert again.snapshot() == first.snapshot()
-    # A state file from before the probe (no seek_cost_bytes) still reads.
+    # A state file from before the probe (no seek cost, no lone rate) still reads.
     document = json.loads((tmp_path / "devices.json").read_text())
     for entry in document["mounts"].values():
-        del entry["seek_cost_bytes"]
+        del entry["seek_cost_bytes"], entry["lone_bytes_per_s"]
     (tmp_path / "devices.json").write_text(json.dumps(document))
     assert StreamThroughput(str(tmp_path)).seek_cost(device) == 0
+    assert StreamThroughput(str(tmp_path)).bytes_per_s(device) == 0.0
+
+
+def test_a_rank_waits_no_longer_than_a_lone_stream_reads(tmp_path: Path) -> None:
+    """The daemon's per-stream figure under its own load is far below one lone reader on
+    a fast disk; once the probe has measured the lone stream, the higher one is given."""
+    learned = StreamThroughput(str(tmp_path))
+    device = os.makedev(0, 53)
+    for _ in range(4):
+        learned.record(device, 4 << 20, 0.05)  # 84 MB/s, 8 streams side by side
+    under_load = learned.bytes_per_s(device)
+    assert under_load == pytest.approx((4 << 20) / 0.05)
+    learned.learn_seek_cost(device, 40 << 10, 700e6)
+    assert learned.bytes_per_s(device) == 700e6
+    learned.learn_seek_cost(device, 8 << 20, 20e6)  # a mount slower alone: learned stays
+    assert learned.bytes_per_s(device) == under_load
+    learned.save()
+    document = json.loads((tmp_path / "devices.json").read_text())
+    for entry in document["mounts"].values():
+        entry["lone_bytes_per_s"] = 1e13  # no storage streams 10 TB/s: a damaged file
+    (tmp_path / "devices.json").write_text(json.dumps(document))
+    assert StreamThroughput(str(tmp_path)).snapshot() == []

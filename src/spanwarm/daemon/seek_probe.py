@@ -246,7 +246,9 @@ class SeekProber:
         if mount_name(file.identity.device) != candidate.mount:  # its device number reused
             logger.warning("%s is no longer mounted: its seek cost is not kept", candidate.mount)
             return
-        self._learned.learn_seek_cost(file.identity.device, result.seek_cost)
+        self._learned.learn_seek_cost(
+            file.identity.device, result.seek_cost, result.stream_bytes_per_s
+        )
         for other in list(self._waiting):  # the mount's other files: not needed now
             if other.mount == candidate.mount:
                 self._drop(other)

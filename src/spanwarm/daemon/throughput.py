@@ -21,12 +21,16 @@ restarts, in ``devices.json`` in the daemon's state directory (written atomicall
 that does not parse is ignored with a warning, never trusted in part).
 
 The figure is per stream while the daemon runs its workers side by side, so on storage
-that serves few requests at a time it is below what one lone reader gets: ranks then
-wait a little longer than they need, never less. The same samples do not give a seek
-cost: with several reads in flight their fixed cost is mostly queueing (fitted on this
-machine's disk: 1 MiB, where ``spanwarm calibrate`` measures 28 KiB). The seek cost is
-measured apart, once per mount, by a probe of its own (:mod:`spanwarm.daemon.seek_probe`),
-and kept here with the throughput.
+that serves few requests at a time it is far below what one lone reader gets (on this
+machine's disk 75 MB/s against 700 MB/s): ranks would wait up to ten times longer than
+reading the tensor themselves takes. The same samples do not give a seek cost either:
+with several reads in flight their fixed cost is mostly queueing (fitted on this
+machine's disk: 1 MiB, where ``spanwarm calibrate`` measures 28 KiB). Both are measured
+apart, once per mount, by a probe of its own on an idle node
+(:mod:`spanwarm.daemon.seek_probe`): the seek cost, and the rate of one lone stream.
+Once a mount has been probed, the rate a rank's waits are bounded by is the higher of
+the two rates: a rank that reads a tensor itself is one lone stream, and where the
+daemon is reading the same pages meanwhile, the page cache shares them.
 """
 
 from __future__ import annotations
@@ -82,12 +86,14 @@ class _Mount:
     total_bytes: int = 0
     seek_cost: int = 0  # bytes, from a probe (0: not measured yet)
     seek_probed_at: float = 0.0  # when, in seconds since the epoch
+    lone_bytes_per_s: float = 0.0  # one stream on an idle node, from the probe (0: unknown)
 
     @property
     def bytes_per_s(self) -> float:
-        if self.total_bytes < _MIN_BYTES or self.weighted_seconds <= 0:
-            return 0.0
-        rate = self.weighted_bytes / self.weighted_seconds
+        learned = 0.0
+        if self.total_bytes >= _MIN_BYTES and self.weighted_seconds > 0:
+            learned = self.weighted_bytes / self.weighted_seconds
+        rate = max(learned, self.lone_bytes_per_s)
         # No storage streams a TB/s: anything faster is a damaged record, and would make
         # every rank stop waiting at once.
         return rate if math.isfinite(rate) and rate <= _MAX_RATE else 0.0
@@ -129,7 +135,8 @@ class StreamThroughput:
             self._dirty = True
 
     def bytes_per_s(self, device: int) -> float:
-        """The learned throughput on ``device``'s mount; 0.0 while too little is known."""
+        """One stream's throughput on ``device``'s mount: the higher of the daemon's
+        learned one and the probe's lone stream; 0.0 while neither is known."""
         name = self.name(device)
         with self._lock:
             m = self._mounts.get(name)
@@ -151,14 +158,17 @@ class StreamThroughput:
                 return None
             return max(0.0, time.time() - m.seek_probed_at)
 
-    def learn_seek_cost(self, device: int, seek_cost: int) -> None:
-        """A probe measured ``seek_cost`` bytes on ``device``'s mount now (at least 1: a
-        measured zero is kept as one byte, so that it reads as known)."""
+    def learn_seek_cost(self, device: int, seek_cost: int, lone_bytes_per_s: float) -> None:
+        """A probe measured ``seek_cost`` bytes and one lone stream's rate on ``device``'s
+        mount now (a seek cost of at least 1: a measured zero is kept as one byte, so that
+        it reads as known; a rate that is not a number a storage could stream is not kept)."""
         name = self.name(device)
         with self._lock:
             m = self._mounts.setdefault(name, _Mount())
             m.seek_cost = min(max(1, int(seek_cost)), MAX_SEEK_COST)
             m.seek_probed_at = time.time()
+            ok = math.isfinite(lone_bytes_per_s) and 0 < lone_bytes_per_s <= _MAX_RATE
+            m.lone_bytes_per_s = float(lone_bytes_per_s) if ok else 0.0
             self._dirty = True
 
     def snapshot(self) -> list[tuple[str, float, int, int]]:
@@ -189,6 +199,7 @@ class StreamThroughput:
                         "total_bytes": m.total_bytes,
                         "seek_cost_bytes": m.seek_cost,
                         "seek_probed_at": m.seek_probed_at,
+                        "lone_bytes_per_s": m.lone_bytes_per_s,
                     }
                     for name, m in mounts[:_MAX_MOUNTS]
                 },
@@ -242,13 +253,22 @@ def _parse(document: Any) -> dict[str, _Mount]:
             for v in values
         ):
             raise ValueError(f"mount {name!r}: not three numbers from 0 to 2**63")
-        # Both absent in files from before the probe.
+        # All absent in files from before the probe, the rate in files from its first
+        # versions.
         seek_cost, probed_at = entry.get("seek_cost_bytes", 0), entry.get("seek_probed_at", 0)
+        lone = entry.get("lone_bytes_per_s", 0.0)
         if type(seek_cost) is not int or not 0 <= seek_cost <= MAX_SEEK_COST:
             raise ValueError(f"mount {name!r}: seek_cost_bytes is not a byte count")
         if type(probed_at) not in (int, float) or not 0 <= probed_at < 2**40:
             raise ValueError(f"mount {name!r}: seek_probed_at is not a time")
+        if type(lone) not in (int, float) or not 0 <= lone <= _MAX_RATE:
+            raise ValueError(f"mount {name!r}: lone_bytes_per_s is not a rate")
         out[name] = _Mount(
-            float(values[0]), float(values[1]), int(values[2]), seek_cost, float(probed_at)
+            float(values[0]),
+            float(values[1]),
+            int(values[2]),
+            seek_cost,
+            float(probed_at),
+            float(lone),
         )
     return out

@@ -1,6 +1,7 @@
 """transformers' own ``from_pretrained`` of a per-expert MoE checkpoint, node 0 of a job.
 
     .venv/bin/python bench/bench_transformers_load.py [--mounts local,cross-region] [--reps 3]
+        [--daemon-args "--state-dir DIR"]
 
 A Qwen3-MoE model (6 layers, 32 experts, hidden 1024: 0.8 GB of random bf16 bytes,
 written once under --data) saved the way ``save_pretrained`` saves it, one tensor per
@@ -184,7 +185,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--daemon-args",
+        default="",
+        help="extra `spanwarm serve` flags, e.g. '--state-dir DIR' (a node that has probed "
+        "its mounts before) or '--seek-cost 12MiB'",
+    )
     args = parser.parse_args()
+    daemon_args = args.daemon_args.split()
     command = "python bench/bench_transformers_load.py " + " ".join(sys.argv[1:])
     lines = [
         "\n## transformers from_pretrained, per-expert MoE, node 0 of 8 x 2\n",
@@ -198,13 +206,14 @@ def main() -> None:
     for preset in args.mounts.split(","):
         with (
             mounted(source, preset) as (model, fs),
-            spawn_daemon("--log-level", "warning") as daemon,
+            spawn_daemon("--log-level", "warning", *daemon_args) as daemon,
         ):
             mounted_paths = sorted(model.glob("*.safetensors"))
             # The node's first load on the mount, not measured: the daemon learns the mount
             # from it and probes its seek cost once idle (not during a measured arm).
             run_arm("spanwarm", model, mounted_paths, daemon.socket, fs)
-            limit_runs = node_runs(model, probed_seek_cost(daemon.socket, mounted_paths[0], []))
+            seek_cost = probed_seek_cost(daemon.socket, mounted_paths[0], daemon_args)
+            limit_runs = node_runs(model, seek_cost)
             runs = []
             for rep in range(args.reps):
                 for arm in rng.sample(ARMS, len(ARMS)):

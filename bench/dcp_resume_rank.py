@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -268,3 +269,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Without the interpreter's teardown: a gloo worker thread still destroying a finished
+    # collective's work then needs the GIL and aborts the rank (pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -79,6 +79,9 @@ class SeekCost:
     seek_s: float
     stream_bytes_per_s: float
     seeks: int
+    window_bytes_per_s: float
+    """The long window over its whole time, the first request's latency and all: below
+    ``stream_bytes_per_s``, but never inflated by noise in a difference of two timings."""
 
 
 def plan_seek_measurement(
@@ -174,7 +177,8 @@ def measure_seek_cost(
         raise MeasureStopped(f"{len(times)} places to seek to stayed cold, {MIN_SEEKS} needed")
     # The median: one seek that waited on something else says nothing of the storage.
     seek_s = max(0.0, statistics.median(times) - PAGE / rate)
-    return SeekCost(min(MAX_SEEK_COST, int(seek_s * rate)), seek_s, rate, len(times))
+    seek_cost = min(MAX_SEEK_COST, int(seek_s * rate))
+    return SeekCost(seek_cost, seek_s, rate, len(times), LONG_BYTES / long_s)
 
 
 def _read(fd: int, offset: int, length: int, chunk: int, busy: Callable[[], bool]) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import NoReturn
 
 __all__ = ["exit_rank"]
@@ -19,7 +20,14 @@ def exit_rank() -> NoReturn:
     (the mesh still holds the group). Seen once in 30 runs of the torchtitan worker, with
     the core dump's stack in ``ProcessGroupGloo::runLoop`` -> ``~AsyncBarrierWork``;
     pytorch/pytorch#190489.
+
+    What the teardown would still have caught is checked here: a thread that is not a
+    daemon would have kept the process from exiting (a hang), so it fails the rank.
     """
+    main = threading.main_thread()
+    stuck = [t.name for t in threading.enumerate() if not t.daemon and t is not main]
+    if stuck:
+        print(f"threads that would keep the rank from exiting: {stuck}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if stuck else 0)

@@ -31,7 +31,7 @@ def test_spans_read_back_each_ranks_local_tensor(tmp_path: Path) -> None:
     torch.save(weights, checkpoint.with_suffix(".pt"))
     # The worker imports tests.*: the repository root goes on its path.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
-    subprocess.run(
+    run = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -43,11 +43,12 @@ def test_spans_read_back_each_ranks_local_tensor(tmp_path: Path) -> None:
             str(checkpoint),
             str(tmp_path),
         ],
-        check=True,
         env=env,
         timeout=240,
         capture_output=True,
+        text=True,
     )
+    assert run.returncode == 0, run.stderr[-6000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for name, tensor in weights.items():
         assert all(r[name]["equal"] for r in results), name

@@ -119,7 +119,16 @@ def test_a_rank_waits_no_longer_than_a_lone_stream_reads(tmp_path: Path) -> None
     # rank's own reads get 18 MB/s, below the daemon's many in flight: learned stays.
     learned.learn_seek_cost(device, 7_200_000, 143e6)
     assert learned.bytes_per_s(device) == under_load
+    learned.learn_seek_cost(device, 64 << 10, 700e6)
     learned.save()
+    # --seek-cost: nothing is probed, and a lone rate kept from an earlier probe is not
+    # used either; nor is one without the seek cost it was priced with (a damaged file).
+    assert StreamThroughput(str(tmp_path), use_lone=False).bytes_per_s(device) == under_load
+    document = json.loads((tmp_path / "devices.json").read_text())
+    for entry in document["mounts"].values():
+        entry["seek_cost_bytes"] = 0
+    (tmp_path / "devices.json").write_text(json.dumps(document))
+    assert StreamThroughput(str(tmp_path)).bytes_per_s(device) == pytest.approx(under_load)
     document = json.loads((tmp_path / "devices.json").read_text())
     for entry in document["mounts"].values():
         entry["lone_bytes_per_s"] = 1e13  # no storage streams 10 TB/s: a damaged file

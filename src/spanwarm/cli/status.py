@@ -83,7 +83,7 @@ def render(status: dict[str, Any]) -> Group:
         )
     mounts = Table(
         "mount",
-        "one stream, learned",
+        "one stream",
         "read cold",
         "seek cost, probed",
         title="mounts",

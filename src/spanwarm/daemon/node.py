@@ -289,7 +289,9 @@ class Node:
         self._in_flight_bytes = 0
         self._budget_blocked = False
         self._mappings: dict[CellKey, list[tuple[int, int]]] = {}  # --hold: (address, length)
-        self.throughput = StreamThroughput(config.state_dir or None)
+        self.throughput = StreamThroughput(
+            config.state_dir or None, use_lone=config.seek_cost is None
+        )
         # Each mount's seek cost, probed once the node is idle, unless --seek-cost sets it.
         self.prober = (
             SeekProber(self.throughput, chunk=self.chunk, close=self._close_later)

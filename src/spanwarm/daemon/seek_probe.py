@@ -247,20 +247,21 @@ class SeekProber:
             logger.warning("%s is no longer mounted: its seek cost is not kept", candidate.mount)
             return
         self._learned.learn_seek_cost(
-            file.identity.device, result.seek_cost, result.stream_bytes_per_s
+            file.identity.device, result.seek_cost, result.window_bytes_per_s
         )
         for other in list(self._waiting):  # the mount's other files: not needed now
             if other.mount == candidate.mount:
                 self._drop(other)
         logger.info(
             "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
-            "one stream %.1f MiB/s)",
+            "one stream %.1f MiB/s, %.3f MiB/s over the long window)",
             candidate.mount,
             result.seek_cost,
             file.path,
             result.seek_s * 1e3,
             result.seeks,
             result.stream_bytes_per_s / 2**20,
+            result.window_bytes_per_s / 2**20,
         )
 
     def _drop(self, candidate: _Candidate) -> None:

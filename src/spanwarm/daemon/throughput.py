@@ -22,7 +22,7 @@ that does not parse is ignored with a warning, never trusted in part).
 
 The figure is per stream while the daemon runs its workers side by side, so on storage
 that serves few requests at a time it is far below what one lone reader gets (on this
-machine's disk 75 MB/s against 700 MB/s): ranks would wait up to ten times longer than
+machine's disk 75-85 MB/s against 700 MB/s): ranks would wait up to ten times longer than
 reading the tensor themselves takes. The same samples do not give a seek cost either:
 with several reads in flight their fixed cost is mostly queueing (fitted on this
 machine's disk: 1 MiB, where ``spanwarm calibrate`` measures 28 KiB). Both are measured
@@ -103,13 +103,14 @@ class _Mount:
     seek_probed_at: float = 0.0  # when, in seconds since the epoch
     lone_bytes_per_s: float = 0.0  # one stream on an idle node, from the probe (0: unknown)
 
-    @property
-    def bytes_per_s(self) -> float:
+    def bytes_per_s(self, use_lone: bool = True) -> float:
         learned = 0.0
         if self.total_bytes >= _MIN_BYTES and self.weighted_seconds > 0:
             learned = self.weighted_bytes / self.weighted_seconds
-        lone = self.lone_bytes_per_s * RANK_READ_BYTES / (RANK_READ_BYTES + self.seek_cost)
-        rate = max(learned, lone)
+        rate = learned
+        if self.seek_cost and use_lone:  # one figure from one probe, or neither
+            lone = self.lone_bytes_per_s * RANK_READ_BYTES / (RANK_READ_BYTES + self.seek_cost)
+            rate = max(learned, lone)
         # No storage streams a TB/s: anything faster is a damaged record, and would make
         # every rank stop waiting at once.
         return rate if math.isfinite(rate) and rate <= _MAX_RATE else 0.0
@@ -119,8 +120,11 @@ class StreamThroughput:
     """Per mount: bytes per second of one stream of cold reads (thread-safe), kept in
     ``state_dir`` (None: not kept)."""
 
-    def __init__(self, state_dir: str | None = None) -> None:
+    def __init__(self, state_dir: str | None = None, *, use_lone: bool = True) -> None:
         self._mounts: dict[str, _Mount] = {}
+        # False with --seek-cost: nothing is probed, and a lone rate kept from an earlier
+        # probe (priced at that probe's seek cost) is not used either.
+        self.use_lone = use_lone
         self._names: dict[int, str] = {}  # st_dev -> mount name, as mountinfo said
         self._lock = threading.Lock()
         self._dirty = False
@@ -157,7 +161,7 @@ class StreamThroughput:
         name = self.name(device)
         with self._lock:
             m = self._mounts.get(name)
-            return 0.0 if m is None else m.bytes_per_s
+            return 0.0 if m is None else m.bytes_per_s(self.use_lone)
 
     def seek_cost(self, device: int) -> int:
         """The seek cost probed on ``device``'s mount in bytes; 0 while not measured."""
@@ -192,7 +196,10 @@ class StreamThroughput:
         """(mount, bytes per second or 0.0 while unknown, bytes sampled, seek cost or 0
         while not measured), most sampled first."""
         with self._lock:
-            rows = [(n, m.bytes_per_s, m.total_bytes, m.seek_cost) for n, m in self._mounts.items()]
+            rows = [
+                (n, m.bytes_per_s(self.use_lone), m.total_bytes, m.seek_cost)
+                for n, m in self._mounts.items()
+            ]
         return sorted(rows, key=lambda row: -row[2])
 
     # -- kept across restarts ------------------------------------------------------------

@@ -208,20 +208,6 @@ def test_a_rank_bounds_its_waits_by_its_own_reads(tmp_path: Path) -> None:
     assert all(t < 0.2 for t in took[4:]), took  # this rank's own: a millisecond
 
 
-def test_a_rank_whose_own_reads_are_slow_waits_as_long_as_they_take(tmp_path: Path) -> None:
-    """The other way: the daemon's figure (400 MB/s) makes a 4 MiB tensor worth 10 ms of
-    waiting, but this rank's own reads of tensors that were not warm took two seconds each
-    (a network mount read one small readahead at a time, each paying its latency): once
-    four are known, it waits up to as long as those took. (The first waits include the
-    grant, before which no bound is known: hence 0.5 s.)"""
-    path = cold_file(tmp_path / "slow.safetensors", 8 * 4 * MiB, seed=12)
-    state = learned_state(tmp_path / "state", path, 400e6)
-    with running_daemon(*FLAGS, "--throttle", "64KiB", "--state-dir", str(state)) as daemon:
-        took = timed_waits(daemon.socket, path, tensors=7, size=4 * MiB, own_read_s=2.0)
-    assert all(t < 0.5 for t in took[:4]), took  # the daemon's bound: 10 ms each
-    assert all(t > 1.4 for t in took[4:]), took  # this rank's own: two seconds each
-
-
 def learned_state(state: Path, path: Path, bytes_per_s: float) -> Path:
     """A state directory in which a daemon learned ``bytes_per_s`` for ``path``'s mount."""
     state.mkdir(mode=0o700)

@@ -179,9 +179,9 @@ class Ticket:
                 # Re-read each time: the plan (and with it this estimate) may arrive later.
                 bound = float(self._read_yourself_s[i])
                 if bound != np.inf and self._own_seconds > 0:
-                    # What this rank's own cold reads took (Ticket.took): what reading it
-                    # here would take, better than any figure of the daemon's.
-                    bound = self._bytes[i] * self._own_seconds / self._own_bytes
+                    # What this rank's own cold reads took (Ticket.took), where lower.
+                    own = self._bytes[i] * self._own_seconds / self._own_bytes
+                    bound = min(bound, own)
                 if bound != np.inf and not waited:
                     waited = True
                     if self._daemon_behind():
@@ -201,12 +201,11 @@ class Ticket:
     def took(self, name: str, seconds: float) -> None:
         """How long the loader took to read ``name`` here after :meth:`wait_for_read` told
         it to read a tensor that was not warm. Once a few MiB of such reads are known, each
-        wait is bounded by this rank's own rate instead of the daemon's figure: that is
-        what reading a tensor here takes, through the loader's reads and the mapping's
-        readahead. On fast storage it is far above the daemon's per-stream figure (one of
-        its streams among many); on a network mount read a small readahead at a time, each
-        paying the mount's latency, far below it, and ranks that stopped waiting on the
-        daemon's figure then wait as long as their own reads would take."""
+        wait is bounded by this rank's own rate as well: the daemon's figure is one of its
+        streams among many, far below what a rank gets where the storage is fast. (Only
+        ever lower: using the rank's own rate where it is slower, too, did not change
+        the emulated cross-region loads, measured, and one request's reads of a slow
+        mount would lengthen its waits on a fast one.)"""
         i = self._index.get(name)
         with self._cond:
             if i is None or i not in self._cold or not seconds > 0:

@@ -521,11 +521,25 @@ def test_status_watch_runs_until_interrupted(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(2.0)
+        # Interrupted once it is talking to the daemon (its imports may take seconds on a
+        # fresh checkout), whether in a call or between two: it ends, and says what it saw.
+        deadline = time.monotonic() + 60
+        while not _connected(watch.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
         watch.send_signal(signals.SIGINT)
         out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     assert "planned" in out
+
+
+def _connected(pid: int) -> bool:
+    """Whether process ``pid`` holds a socket (its channel to the daemon)."""
+    try:
+        fds = Path(f"/proc/{pid}/fd").iterdir()
+        return any(os.readlink(fd).startswith("socket:") for fd in fds)
+    except OSError:  # it exited, or a descriptor closed while looked at
+        return False
 
 
 def test_files_are_closed_when_requests_end_even_when_named_twice(tmp_path: Path) -> None:

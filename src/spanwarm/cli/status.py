@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-import time
+import threading
 from typing import Any
 
 import grpc
@@ -108,6 +109,11 @@ def render(status: dict[str, Any]) -> Group:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Ctrl-C ends the watch between calls: a KeyboardInterrupt raised inside a call in
+    # flight leaves gRPC's channel unable to close (grpc/grpc#19973: the process hung).
+    # Every call has a 5 s deadline, so the end is never further off than that.
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     client = Client(args.socket, timeout=5.0)
     console = Console()
     try:
@@ -118,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(render(client.status()))
         else:
             with Live(render(client.status()), console=console, refresh_per_second=4) as live:
-                while True:
-                    time.sleep(args.interval)
+                while not interrupted.wait(args.interval):
                     live.update(render(client.status()))
     except (grpc.RpcError, OSError) as exc:
         code = exc.code().name if isinstance(exc, grpc.RpcError) else "UNAVAILABLE"
@@ -128,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
     except EndpointUnsafe as exc:
         print(f"spanwarm status: not using {client.socket}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 0
     finally:
         client.close()
+        signal.signal(signal.SIGINT, previous)
     return 0

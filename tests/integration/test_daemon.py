@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import stat
@@ -14,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spanwarm.client import Client, TensorSpans
+from spanwarm.memory_map import map_range, unmap
 from spanwarm.residency import evict, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from spanwarm.safetensors_header import read_header
@@ -320,6 +322,53 @@ def test_a_file_that_shrinks_fails_its_groups_only(tmp_path: Path) -> None:
     )
     assert all(ticket.ready(f"b{i}") for i in range(16))
     assert ticket.progress.ready >= 16
+
+
+def test_a_resident_file_changed_in_place_is_not_reported_warm(tmp_path: Path) -> None:
+    """Pages in the page cache are not warm for a request once their file changed after
+    it was admitted: rewritten in place, every page stays resident (with the new bytes),
+    and the daemon, which reads nothing there, must still notice."""
+    busy = cold_file(tmp_path / "busy", 8 * MiB)
+    resident = cold_file(tmp_path / "resident", 8 * MiB, seed=1)
+    fd = os.open(resident, os.O_RDONLY)
+    # Pinned (mapped and locked), so that the VM's reclaim of idle cache cannot send the
+    # daemon down the path that reads, where the change would be noticed anyway.
+    pinned = map_range(fd, 0, 8 * MiB)
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        assert libc.mlock(ctypes.c_void_p(pinned), ctypes.c_size_t(8 * MiB)) == 0
+        assert resident_bytes(fd, 0, 8 * MiB) == 8 * MiB
+        _changed_while_queued(busy, resident)
+        assert resident_bytes(fd, 0, 8 * MiB) == 8 * MiB  # all there to be verified
+    finally:
+        unmap(pinned, 8 * MiB)
+        os.close(fd)
+
+
+def _changed_while_queued(busy: Path, resident: Path) -> None:
+    """Request ``resident`` behind ``busy``'s throttled cells, rewrite it in place once
+    admitted; at most the one cell verified before the rewrite is ready."""
+    flags = ("--method", "read", "--throttle", "1MiB", "--chunk-size", "1MiB", "--workers", "1")
+    with running_daemon(*flags) as daemon:
+        client = Client(daemon.socket)
+        # One worker, held a second per cell by the throttled cold file.
+        hog = client.request([span(f"busy{i}", busy, i * MiB, MiB) for i in range(8)], rank=0)
+        assert hog.wait(["busy0"], timeout=30)
+        ticket = client.request([span(f"r{i}", resident, i * MiB, MiB) for i in range(8)], rank=1)
+        deadline = time.monotonic() + 30
+        while not ticket.plan and time.monotonic() < deadline:  # admitted: identity taken
+            time.sleep(0.005)
+        assert ticket.plan
+        with open(resident, "r+b") as f:
+            f.write(b"changed")  # same size; a new mtime; every page still resident
+        os.utime(resident, ns=(time.time_ns(), time.time_ns() + 10**9))
+        assert ticket.wait(timeout=60)
+        hog.cancel()
+        client.close()
+    # The worker may have verified one cell before the rewrite; none after it.
+    assert sum(ticket.ready(f"r{i}") and f"r{i}" not in ticket.failures for i in range(8)) <= 1
+    assert len(ticket.failures) >= 7, ticket.failures
+    assert all("ABORTED" in why and str(resident) in why for why in ticket.failures.values())
 
 
 def test_sigterm_drains_and_exits_0_with_systemd_notifications(tmp_path: Path) -> None:

@@ -450,6 +450,13 @@ class WarmerService:
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
+            if context.done():
+                # The caller went away meanwhile (cancelled, or its deadline passed): no
+                # status can reach it, and a refusal would fail again ("Abort already
+                # called"), logged as a daemon error. Seen when a rank's last Consumed
+                # report raced the end of its request and its channel's close.
+                logger.debug("call ended by its caller before its answer: %r", exc)
+                raise asyncio.CancelledError from exc
             await self._refuse(context, exc)
 
 

@@ -109,8 +109,9 @@ def render(status: dict[str, Any]) -> Group:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Ctrl-C ends the watch between calls: a KeyboardInterrupt raised inside a call in
-    # flight leaves gRPC's channel unable to close (grpc/grpc#19973: the process hung).
+    # Ctrl-C ends the watch between calls. A KeyboardInterrupt raised wherever the main
+    # thread is can be swallowed by a library or land inside a gRPC call in flight, after
+    # which the channel may not close (grpc/grpc#19973); once, a watch outlived its SIGINT.
     # Every call has a 5 s deadline, so the end is never further off than that.
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())

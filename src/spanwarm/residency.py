@@ -24,6 +24,7 @@ __all__ = [
     "missing_bytes",
     "residency_trusted",
     "resident_bytes",
+    "resident_pages",
 ]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -45,11 +46,8 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
     if end <= offset:
         return 0
     start = offset - offset % PAGE
-    map_len = end - start
-    with mapped(fd, start, map_len) as addr:
-        vec = mincore(addr, map_len)
-    pages = len(vec)
-    bits = np.frombuffer(vec, dtype=np.uint8) & 1
+    bits = resident_pages(fd, start, end - start)
+    pages = len(bits)
     resident = int(bits.sum()) * PAGE
     # Trim the parts of the first and last page that lie outside the range.
     if bits[0]:
@@ -57,6 +55,13 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
     if bits[-1]:
         resident -= start + pages * PAGE - end
     return resident
+
+
+def resident_pages(fd: int, start: int, length: int) -> np.ndarray:
+    """Per page of ``[start, start + length)`` of open file ``fd`` (``start`` page-aligned):
+    1 where the page is in the page cache, else 0 (pages past the end of the file: 0)."""
+    with mapped(fd, start, length) as addr:
+        return np.frombuffer(mincore(addr, length), dtype=np.uint8) & 1
 
 
 _WINDOW = 4 * 2**30  # missing_bytes maps and checks a run this much at a time

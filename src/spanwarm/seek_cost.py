@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spanwarm.memory_map import mapped, mincore
-from spanwarm.residency import PAGE, resident_bytes
+from spanwarm.residency import PAGE, resident_bytes, resident_pages
 
 __all__ = [
     "MIN_FILE_BYTES",
@@ -100,7 +99,9 @@ def plan_seek_measurement(
         raise MeasureStopped("smaller than one slot")
     # One mincore pass over what the search may look at (windows reach past their slot),
     # not one per place tried: a file the load left resident is searched in milliseconds.
-    resident = _resident_pages(fd, slots[-1], size)
+    # Element i: how many of the first i pages from the last slot on are resident.
+    bits = resident_pages(fd, slots[-1], size - slots[-1])
+    resident = np.concatenate(([0], np.cumsum(bits, dtype=np.int64)))
     taken: list[tuple[int, int]] = []
 
     def usable(start: int, length: int) -> bool:
@@ -129,15 +130,6 @@ def plan_seek_measurement(
             f"{MAX_CHECKED} slots; 2 and {MIN_SEEKS} needed"
         )
     return SeekPlan(short_at=taken[1][0], long_at=taken[0][0], seeks=tuple(seeks))
-
-
-def _resident_pages(fd: int, start: int, stop: int) -> np.ndarray:
-    """Resident pages of ``[start, stop)`` (``start`` page-aligned) counted cumulatively:
-    element ``i`` is how many of the first ``i`` pages are in the page cache."""
-    length = stop - start
-    with mapped(fd, start, length) as addr:
-        bits = np.frombuffer(mincore(addr, length), dtype=np.uint8) & 1
-    return np.concatenate(([0], np.cumsum(bits, dtype=np.int64)))
 
 
 def _all_data(fd: int, start: int, stop: int) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
-from tests.integration.torchrun import REPO  # noqa: E402
+from tests.integration.torchrun import rank_env  # noqa: E402
 
 WORKER = Path(__file__).with_name("gloo_rank_worker.py")
 
@@ -29,8 +28,6 @@ def test_spans_read_back_each_ranks_local_tensor(tmp_path: Path) -> None:
     checkpoint = tmp_path / "model.safetensors"
     save_file(weights, str(checkpoint))
     torch.save(weights, checkpoint.with_suffix(".pt"))
-    # The worker imports tests.*: the repository root goes on its path.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     run = subprocess.run(
         [
             sys.executable,
@@ -43,7 +40,7 @@ def test_spans_read_back_each_ranks_local_tensor(tmp_path: Path) -> None:
             str(checkpoint),
             str(tmp_path),
         ],
-        env=env,
+        env=rank_env(),
         timeout=240,
         capture_output=True,
         text=True,

@@ -180,8 +180,8 @@ class SeekProber:
         self._running = candidate
 
     def _probe(self, candidate: _Candidate, busy: Callable[[], bool]) -> SeekCost:
-        """In the probe's thread: find the places (a bounded number of mincore and
-        SEEK_HOLE calls), then measure, through one fresh descriptor."""
+        """In the probe's thread: find the places (one mincore pass and a bounded number
+        of SEEK_HOLE calls), then measure, through one fresh descriptor."""
         file = candidate.file
         with file.stream() as fd:
             plan = plan_seek_measurement(fd, file.size, busy=busy)

@@ -130,7 +130,10 @@ def test_a_rank_waits_no_longer_than_a_lone_stream_reads(tmp_path: Path) -> None
     (tmp_path / "devices.json").write_text(json.dumps(document))
     assert StreamThroughput(str(tmp_path)).bytes_per_s(device) == pytest.approx(under_load)
     document = json.loads((tmp_path / "devices.json").read_text())
-    for entry in document["mounts"].values():
-        entry["lone_bytes_per_s"] = 1e13  # no storage streams 10 TB/s: a damaged file
-    (tmp_path / "devices.json").write_text(json.dumps(document))
-    assert StreamThroughput(str(tmp_path)).snapshot() == []
+    # No storage streams 10 TB/s; nor a negative, NaN, true or textual rate: a damaged
+    # file, not trusted in part.
+    for damaged in (1e13, -1.0, math.nan, True, "700e6"):
+        for entry in document["mounts"].values():
+            entry["lone_bytes_per_s"] = damaged
+        (tmp_path / "devices.json").write_text(json.dumps(document))
+        assert StreamThroughput(str(tmp_path)).snapshot() == [], damaged

@@ -123,7 +123,7 @@ def _request(paths: list[str], length: int, token: str = "") -> Any:
 @action
 def client_warm(args: dict[str, Any]) -> dict[str, Any]:
     """Through the project's Client: one tensor per path, its first ``length`` bytes."""
-    client = Client(args["socket"], stall_timeout=20)
+    client = Client(args["socket"], stall_timeout=20, read_yourself=False)  # the daemon's work
     spans = [TensorSpans(p, p, 0, args["length"], args["length"], 1) for p in args["paths"]]
     ticket = client.request(spans, rank=0, job="user-job")
     finished = ticket.wait(timeout=args.get("timeout", 30))
@@ -340,7 +340,7 @@ def race(args: dict[str, Any]) -> dict[str, Any]:
     swapper.start()
     sizes: list[int] = []
     codes: dict[str, int] = {}
-    client = Client(args["socket"], stall_timeout=20)
+    client = Client(args["socket"], stall_timeout=20, read_yourself=False)  # the daemon's work
     with grpc.insecure_channel(f"unix:{args['socket']}") as channel:
         stub = warmer_pb2_grpc.WarmerStub(channel)
         for i in range(args["requests"]):

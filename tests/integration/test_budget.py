@@ -94,7 +94,7 @@ def test_warming_stays_within_the_budget_in_consumption_order(tmp_path: Path) ->
             TensorSpans(n, str(path), (r * 12 + i) * tensor, tensor, tensor, 1)
             for i, n in enumerate(names)
         ]
-        client = Client(socket)
+        client = Client(socket, read_yourself=False)
         ticket = client.request(spans, rank=r)
         orders[r] = []
         fd = os.open(path, os.O_RDONLY)
@@ -119,7 +119,7 @@ def test_warming_stays_within_the_budget_in_consumption_order(tmp_path: Path) ->
             t.join(120)
         stop.set()
         sampler.join()
-        status = Client(daemon.socket).status()
+        status = Client(daemon.socket, read_yourself=False).status()
     assert orders == {r: [f"r{r}t{i}" for i in range(12)] for r in range(2)}
     # At most the budget, plus the first unready tensor of each rank, which always may go.
     assert peak[0] <= budget + 2 * tensor, peak[0]
@@ -143,7 +143,7 @@ def test_a_client_that_never_reports_is_not_stalled_forever(tmp_path: Path) -> N
         "read",
     )
     with running_daemon(*flags) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         start = time.monotonic()
         ticket = client.request(spans, rank=0)
         assert ticket.wait(timeout=60)
@@ -166,7 +166,7 @@ def test_hold_keeps_warmed_spans_mapped_until_read(tmp_path: Path) -> None:
         return total
 
     with running_daemon("--hold", "--chunk-size", "4MiB", "--method", "read") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(spans, rank=0)
         assert ticket.wait(timeout=30)
         held = mapped_bytes(daemon.process.pid)
@@ -197,7 +197,7 @@ def test_the_daemon_derives_its_budget_from_the_cgroup(tmp_path: Path) -> None:
             write(directory / "memory.usage_in_bytes", f"{2**28}\n")
             write(directory / "memory.stat", "total_inactive_file 0\n")
     with running_daemon("--cgroup-root", str(root)) as daemon:
-        status = Client(daemon.socket).status()
+        status = Client(daemon.socket, read_yourself=False).status()
     assert status["budget_bytes"] == (2**30 - 2**28) // 2
 
 
@@ -212,7 +212,10 @@ def test_a_held_cell_the_rank_cannot_read_yet_does_not_stall_it_past_the_budget(
     flags = ("--method", "read", "--chunk-size", "1MiB", "--workers", "1", "--seek-cost", "0")
     budget = ("--memory-budget", "1MiB", "--hold-seconds", "20", "--throttle", "4MiB")
     with running_daemon(*flags, *budget) as daemon:
-        a, b = Client(daemon.socket), Client(daemon.socket)
+        a, b = (
+            Client(daemon.socket, read_yourself=False),
+            Client(daemon.socket, read_yourself=False),
+        )
         rank_a = a.request(
             [
                 TensorSpans("a0", str(path), 0, MiB, MiB, 1),

@@ -48,7 +48,10 @@ def test_two_ranks_share_reads_and_only_needed_bytes_get_warm(tmp_path: Path) ->
     path = cold_file(tmp_path / "ckpt.safetensors", 96 * MiB)
     os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_RANDOM)
     with running_daemon("--method", "read", "--seek-cost", "0", "--throttle", "64MiB") as daemon:
-        a, b = Client(daemon.socket), Client(daemon.socket)
+        a, b = (
+            Client(daemon.socket, read_yourself=False),
+            Client(daemon.socket, read_yourself=False),
+        )
         rank0 = a.request(
             [span("a1", path, 0, 8 * MiB), span("a2", path, 8 * MiB, 16 * MiB)], rank=0
         )
@@ -77,7 +80,7 @@ def test_first_tensor_is_ready_long_before_the_last(tmp_path: Path) -> None:
     # Two workers: t0 and t1 go first; the order of reads in flight together is up to the kernel.
     flags = ("--method", "read", "--throttle", "32MiB", "--chunk-size", "4MiB", "--workers", "2")
     with running_daemon(*flags) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         start = time.monotonic()
         ticket = client.request(spans, rank=0)
         assert ticket.wait(["t0"], timeout=30)
@@ -99,7 +102,8 @@ def test_a_late_rank_sharing_a_cell_still_gets_its_first_tensor(tmp_path: Path) 
     path = cold_file(tmp_path / "ckpt.safetensors", 32 * MiB)
     flags = ("--method", "read", "--throttle", "4MiB", "--chunk-size", "4MiB", "--workers", "1")
     with running_daemon(*flags, "--seek-cost", "0") as daemon:
-        early, late = Client(daemon.socket), Client(daemon.socket)
+        early = Client(daemon.socket, read_yourself=False)  # every tensor goes to the daemon
+        late = Client(daemon.socket, read_yourself=False)
         rank0 = early.request(
             [span("s0", path, 0, 64 * 1024), span("s1", path, 8 * MiB, 2 * MiB)], rank=0
         )
@@ -120,7 +124,7 @@ def test_a_rank_that_goes_away_releases_its_interest(tmp_path: Path) -> None:
     spans = [span(f"t{i}", path, i * 4 * MiB, 4 * MiB) for i in range(16)]
     flags = ("--method", "read", "--throttle", "16MiB", "--chunk-size", "4MiB", "--workers", "2")
     with running_daemon(*flags) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(spans, rank=0)
         assert ticket.wait(["t0"], timeout=30)
         ticket.cancel()
@@ -165,7 +169,7 @@ def test_daemon_killed_mid_warm_releases_the_job(
 ) -> None:
     path = cold_file(tmp_path / "f", 32 * MiB)
     with running_daemon("--method", "read", "--throttle", "4MiB", "--chunk-size", "1MiB") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         with caplog.at_level(logging.WARNING, logger="spanwarm.client"):
             ticket = client.request([span(f"t{i}", path, i * MiB, MiB) for i in range(32)], rank=0)
             assert ticket.wait(["t0"], timeout=30)
@@ -180,7 +184,7 @@ def test_daemon_killed_mid_warm_releases_the_job(
 def test_an_error_answer_releases_the_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = cold_file(tmp_path / "f", MiB)
     with running_daemon() as daemon, caplog.at_level(logging.WARNING, logger="spanwarm.client"):
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([span("x", path, 0, 2 * MiB)], rank=0)
         assert ticket.wait(timeout=10)
         client.close()
@@ -308,7 +312,7 @@ def test_a_file_that_shrinks_fails_its_groups_only(tmp_path: Path) -> None:
     spans = [span(f"a{i}", shrinking, i * MiB, MiB) for i in range(16)]
     spans += [span(f"b{i}", steady, i * MiB, MiB) for i in range(16)]
     with running_daemon("--method", "read", "--throttle", "8MiB", "--chunk-size", "1MiB") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(spans, rank=0)
         assert ticket.wait(["a0"], timeout=30)
         os.truncate(shrinking, 4 * MiB)
@@ -350,7 +354,7 @@ def _changed_while_queued(busy: Path, resident: Path) -> None:
     admitted; at most the one cell verified before the rewrite is ready."""
     flags = ("--method", "read", "--throttle", "1MiB", "--chunk-size", "1MiB", "--workers", "1")
     with running_daemon(*flags) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)  # resident: still asked for
         # One worker, held a second per cell by the throttled cold file.
         hog = client.request([span(f"busy{i}", busy, i * MiB, MiB) for i in range(8)], rank=0)
         assert hog.wait(["busy0"], timeout=30)
@@ -379,7 +383,7 @@ def test_sigterm_drains_and_exits_0_with_systemd_notifications(tmp_path: Path) -
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=5
             )
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([span(f"t{i}", path, i * MiB, MiB) for i in range(8)], rank=0)
         assert ticket.wait(["t0"], timeout=30)
         results: dict[str, bool] = {}
@@ -403,7 +407,7 @@ def test_a_supervisor_gone_does_not_stop_a_clean_shutdown(tmp_path: Path) -> Non
     state = tmp_path / "state"
     path = cold_file(tmp_path / "f", 16 * MiB)
     with running_daemon("--method", "read", "--state-dir", str(state)) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         assert client.request([span("t", path, 0, 16 * MiB)]).wait(timeout=30)
         client.close()
         # The notification socket goes away, as when a supervisor dies or restarts.
@@ -437,7 +441,7 @@ def test_each_warm_method_makes_exactly_the_spans_resident(tmp_path: Path, metho
     path = cold_file(tmp_path / "f", 48 * MiB)
     spans = [span("a", path, 0, 6 * MiB), span("b", path, 8 * MiB + 4096, 5 * MiB)]
     with running_daemon("--method", method, "--seek-cost", "0") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(spans, rank=0)
         assert ticket.wait(timeout=30)
         first, second = resident(path, 0, 6 * MiB), resident(path, 8 * MiB + 4096, 5 * MiB)
@@ -515,7 +519,7 @@ def test_request_spans_warms_a_ranks_dtensor_slices(tmp_path: Path) -> None:
         meta = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
         state = {"w": distribute_tensor(meta, mesh, [Shard(0)], src_data_rank=None)}
         with running_daemon("--method", "read") as daemon:
-            client = Client(daemon.socket)
+            client = Client(daemon.socket, read_yourself=False)
             ticket = client.request_spans(state, path, job="job-a")
             assert ticket.wait(timeout=30)
             data_start = read_header(path).data_start
@@ -601,7 +605,7 @@ def test_files_are_closed_when_requests_end_even_when_named_twice(tmp_path: Path
         return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path))
 
     with running_daemon("--method", "read") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([span("a", path, 0, MiB), span("b", alias, MiB, MiB)], rank=0)
         assert ticket.wait(timeout=30)
         assert open_fds(daemon.process.pid) == 1
@@ -632,7 +636,7 @@ def test_many_ranks_with_overlapping_spans_arriving_together_all_get_ready(
         return out
 
     with running_daemon("--method", "read") as daemon:
-        client = Client(daemon.socket, stall_timeout=120)
+        client = Client(daemon.socket, stall_timeout=120, read_yourself=False)
         tickets = [client.request(rank_spans(rank), rank=rank) for rank in range(16)]
         assert all(ticket.wait(timeout=60) for ticket in tickets)
         for ticket in tickets:

@@ -17,7 +17,7 @@ FLAGS = ("--method", "read", "--seek-cost", "0", "--chunk-size", "4MiB")
 def test_bytes_a_rank_read_leave_the_page_cache(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "ckpt.safetensors", 24 * MiB)
     with running_daemon(*FLAGS, "--evict-after-read") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([span("a", path, 0, 8 * MiB), span("b", path, 8 * MiB, 8 * MiB)])
         assert ticket.wait(timeout=30)
         assert resident(path, 0, 16 * MiB) >= 16 * MiB * 0.99  # warm until read
@@ -32,7 +32,10 @@ def test_bytes_a_rank_read_leave_the_page_cache(tmp_path: Path) -> None:
 def test_a_cell_another_rank_still_needs_stays(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "ckpt.safetensors", 16 * MiB)
     with running_daemon(*FLAGS, "--evict-after-read") as daemon:
-        a, b = Client(daemon.socket), Client(daemon.socket)
+        a, b = (
+            Client(daemon.socket, read_yourself=False),
+            Client(daemon.socket, read_yourself=False),
+        )
         first = a.request([span("x", path, 0, 4 * MiB)], rank=0)
         second = b.request([span("x", path, 0, 4 * MiB)], rank=1)
         assert first.wait(timeout=30)
@@ -53,7 +56,7 @@ def test_a_cell_another_rank_still_needs_stays(tmp_path: Path) -> None:
 def test_without_the_flag_read_bytes_stay_warm(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "ckpt.safetensors", 8 * MiB)
     with running_daemon(*FLAGS) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([span("a", path, 0, 8 * MiB)])
         assert ticket.wait(timeout=30)
         ticket.consumed(["a"])
@@ -74,7 +77,7 @@ def test_the_last_reads_count_when_the_loader_cancels_right_after(tmp_path: Path
     """A load ends with consumed() then cancel(): the last batch of reports goes first."""
     path = cold_file(tmp_path / "ckpt.safetensors", 8 * MiB)
     with running_daemon(*FLAGS, "--evict-after-read") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([span("a", path, 0, 8 * MiB)])
         assert ticket.wait(timeout=30)
         ticket.consumed(["a"])

@@ -58,7 +58,7 @@ def test_an_io_error_fails_only_the_tensor_on_the_bad_bytes(faulty: SlowFS, meth
     path = faulty.path("ckpt.safetensors")
     tensors = _tensors(path, 32 * MiB, 32)  # 1 MiB each: the 8 MiB cell holds t16..t23
     with running_daemon("--method", method, "--seek-cost", "0") as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(tensors, rank=0)
         assert ticket.wait(timeout=60)
         fd = os.open(path, os.O_RDONLY)
@@ -94,7 +94,7 @@ def test_sigterm_is_bounded_while_a_storage_read_hangs(hung: SlowFS) -> None:
     path = hung.path("ckpt.safetensors")
     drain = 3.0
     with running_daemon("--method", "read", "--drain-seconds", str(drain)) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(_tensors(path, 32 * MiB, 8), rank=0)
         deadline = time.monotonic() + 20
         while client.status()["in_flight"] == 0:  # a worker is stuck in the hung read
@@ -115,7 +115,9 @@ def test_a_frozen_daemon_releases_the_job(tmp_path: Path, caplog: pytest.LogCapt
     path = cold_file(tmp_path / "f", 32 * MiB)
     flags = ("--method", "read", "--throttle", "4MiB", "--chunk-size", "1MiB")
     with running_daemon(*flags) as daemon, caplog.at_level(logging.WARNING, "spanwarm.client"):
-        client = Client(daemon.socket)  # defaults: keepalive and a 30 s stall timeout
+        client = Client(
+            daemon.socket, read_yourself=False
+        )  # defaults: keepalive and a 30 s stall timeout
         ticket = client.request(_tensors(path, 32 * MiB, 32), rank=0)
         assert ticket.wait(["t0"], timeout=30)
         daemon.process.send_signal(signal.SIGSTOP)
@@ -146,7 +148,7 @@ def test_a_daemon_that_makes_no_progress_is_given_up_on(
         running_daemon("--method", "read", "--drain-seconds", "0") as daemon,
         caplog.at_level(logging.WARNING, "spanwarm.client"),
     ):
-        client = Client(daemon.socket, stall_timeout=3.0)
+        client = Client(daemon.socket, stall_timeout=3.0, read_yourself=False)
         started = time.monotonic()
         ticket = client.request(_tensors(path, 32 * MiB, 4), rank=0)
         assert ticket.wait(timeout=30)

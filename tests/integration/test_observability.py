@@ -39,7 +39,7 @@ def test_metrics_show_the_bytes_residency_shows(tmp_path: Path) -> None:
     with running_daemon(
         "--metrics", f"127.0.0.1:{port}", "--method", "read", "--seek-cost", "0"
     ) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(spans, rank=0)
         assert ticket.wait(timeout=30)
         fd = os.open(path, os.O_RDONLY)
@@ -61,7 +61,7 @@ def test_json_logs_carry_one_decision_line_per_request(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "f", 8 * MiB)
     log = tmp_path / "daemon.log"
     with open(log, "wb") as stderr, running_daemon("--log-format", "json", stderr=stderr) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         assert client.request([TensorSpans("t", str(path), 0, MiB, MiB, 1)], job="j1", rank=3).wait(
             timeout=30
         )

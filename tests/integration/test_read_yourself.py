@@ -117,16 +117,20 @@ def test_a_tensor_already_in_the_page_cache_is_read_at_once(tmp_path: Path) -> N
         ticket = client.request(tensors, rank=1)
         outcome = ticket.wait_for_read("w", timeout=60)
         assert outcome == "read"
-        assert not ticket.ready("w")  # nothing said it was warmed: it simply was resident
+        # Counted as resident, not as warmed: the daemon was not asked for it.
+        assert (ticket.progress.resident, ticket.progress.ready) == (1, 0)
         slow.cancel()
         ticket.cancel()
         other.close()
         client.close()
 
 
-def test_a_rank_with_everything_resident_reads_at_once_and_still_asks(tmp_path: Path) -> None:
-    """Nothing to wait for, yet the request goes out (status and dedupe stay whole), and
-    the daemon finds the bytes warm without reading them."""
+def test_a_rank_with_everything_resident_reads_at_once_and_asks_for_nothing(
+    tmp_path: Path,
+) -> None:
+    """Nothing to wait for and nothing the daemon could add: no grant, no request, no
+    work for the daemon on the cores the load needs; the tensors count as resident, not
+    as warmed by the daemon."""
     path = cold_file(tmp_path / "warm.safetensors", 8 * MiB, seed=7)
     path.read_bytes()
     with running_daemon(*FLAGS, "--throttle", "1MiB") as daemon:
@@ -134,10 +138,16 @@ def test_a_rank_with_everything_resident_reads_at_once_and_still_asks(tmp_path: 
         ticket = client.request([span("a", path, 0, 4 * MiB), span("b", path, 4 * MiB, 4 * MiB)])
         assert [ticket.wait_for_read(name, timeout=60) for name in ("a", "b")] == ["read"] * 2
         assert ticket.wait(timeout=60)
-        assert ticket.progress.ready == 2
+        assert ticket.finished.wait(timeout=60)
+        progress = ticket.progress
+        assert (progress.resident, progress.ready, progress.failed) == (2, 0, 0)
+        assert progress.done
+        assert not ticket.failures
+        assert ticket.plan == []
         status = client.status()
-        assert status["bytes_read_total"] == 0  # verified resident, never read
-        assert status["bytes_verified_total"] >= 8 * MiB
+        assert status["ranks"] == []  # it never asked
+        assert status["files"] == []
+        assert status["bytes_read_total"] == status["bytes_verified_total"] == 0
         ticket.cancel()
         client.close()
 
@@ -145,8 +155,9 @@ def test_a_rank_with_everything_resident_reads_at_once_and_still_asks(tmp_path: 
 def test_a_partly_resident_request_reads_only_the_resident_tensors_at_once(
     tmp_path: Path,
 ) -> None:
-    """One tensor resident, one cold: the first is read at once; the second waits for the
-    daemon, which has learned nothing of this disk yet (so waiting is the safe choice)."""
+    """One tensor resident, one cold: the first is read at once and not asked for; the
+    second waits for the daemon, which has learned nothing of this disk yet (so waiting
+    is the safe choice)."""
     path = cold_file(tmp_path / "half.safetensors", 8 * MiB, seed=8)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -162,6 +173,9 @@ def test_a_partly_resident_request_reads_only_the_resident_tensors_at_once(
         assert ticket.wait_for_read("b", timeout=60) == "ready"
         assert ticket.ready("b")
         assert resident(path, 4 * MiB, 4 * MiB) == 4 * MiB  # ready means warm
+        # Only the cold tensor was asked for: the daemon planned none of "a"'s bytes.
+        assert ticket.plan[0]["needed_bytes"] == 4 * MiB
+        assert (ticket.progress.resident, ticket.progress.ready) == (1, 1)
         ticket.cancel()
         client.close()
 

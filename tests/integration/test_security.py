@@ -212,7 +212,7 @@ def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
 
 def test_status_shows_a_member_only_its_own_ranks_and_files(area: Area) -> None:
     with group_daemon(area) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request(
             [TensorSpans("w", str(area.root_data), 0, 2**20, 2**20, 1)], job="root-job"
         )
@@ -233,7 +233,7 @@ def test_status_shows_a_member_only_its_own_ranks_and_files(area: Area) -> None:
 
 def test_consumed_from_another_user_releases_nothing(area: Area) -> None:
     with group_daemon(area) as daemon:
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)  # held: resident or not
         spans = [
             TensorSpans(f"t{i}", str(area.root_data), i * 2**20, 2**20, 2**20, 1) for i in range(4)
         ]
@@ -260,7 +260,7 @@ def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
             ALICE, "caps", socket=daemon.socket, own=str(area.own), grants=3, length=OWN_SIZE
         )
         # Root is not limited: the same daemon takes its 2 MiB request.
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         ticket = client.request([TensorSpans("r", str(area.own), 0, OWN_SIZE, OWN_SIZE, 1)])
         assert ticket.wait(timeout=30)
         assert ticket.progress.ready == 1
@@ -373,7 +373,7 @@ def test_another_users_slow_or_hung_storage_does_not_hold_the_workers(
         # Alice's reads take both workers.
         args = {"socket": daemon.socket, "paths": [hung], "length": 16 * 2**20, "timeout": 40}
         alice = start_as_user(ALICE, "client_warm", **args)
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         try:
             deadline = time.monotonic() + 20
             while client.status()["in_flight"] < 2:
@@ -413,7 +413,7 @@ def test_each_caller_is_shown_its_own_name_for_a_shared_file(area: Area) -> None
         args = {"socket": daemon.socket, "paths": [str(secret_name)], "length": 4096, "hold": 15}
         alice = start_as_user(ALICE, "client_warm", **args)
         try:
-            client = Client(daemon.socket)
+            client = Client(daemon.socket, read_yourself=False)
             deadline = time.monotonic() + 20
             while not client.status()["ranks"]:  # alice's request is live
                 assert time.monotonic() < deadline

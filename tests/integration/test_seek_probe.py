@@ -1,5 +1,8 @@
 """A learned seek cost per mount: the daemon probes a mount once no request is live,
-plans with the figure, keeps it across restarts and shows it; --seek-cost overrides it."""
+plans with the figure, keeps it across restarts and shows it; --seek-cost overrides it.
+
+Clients here ask for tensors resident or not (``read_yourself=False``): a load must reach
+the daemon for it to have a mount to probe."""
 
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
         first_log.open("wb") as stderr,
         running_daemon(*FLAGS, "--state-dir", str(state), stderr=stderr) as daemon,
     ):
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         _load(client, path)
         mount = _probed(client)
         assert mount["mount"] == mount_name(os.stat(path).st_dev)
@@ -93,7 +96,7 @@ def test_an_idle_daemon_probes_the_mount_and_plans_with_it_after_a_restart(
         second_log.open("wb") as stderr,
         running_daemon(*FLAGS, "--state-dir", str(state), stderr=stderr) as daemon,
     ):
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         kept = _probed(client, timeout=0)  # kept, not probed
         assert (kept["seek_cost_bytes"], kept["stream_bytes_per_s"]) == (learned, rate)
         _load(client, path)
@@ -109,7 +112,7 @@ def test_seek_cost_set_by_hand_is_used_and_nothing_is_probed(tmp_path: Path) -> 
         log.open("wb") as stderr,
         running_daemon(*FLAGS, "--seek-cost", "1MiB", stderr=stderr) as daemon,
     ):
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         _load(client, path)
         time.sleep(4)  # two idle ticks and then some: a probe would have started
         (mount,) = client.status()["mounts"]
@@ -128,7 +131,7 @@ def test_a_file_with_nothing_cold_leaves_the_mount_to_the_next_one(tmp_path: Pat
         log.open("wb") as stderr,
         running_daemon(*FLAGS, stderr=stderr) as daemon,
     ):
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         with open(warm, "rb") as f:  # all of it resident: nothing a probe could measure
             while f.read(8 * MiB):
                 pass
@@ -158,7 +161,7 @@ def test_a_slow_mount_is_priced_at_its_latency_times_its_rate(tmp_path: Path) ->
         mount(source, Path(mnt), "local", latency_s=latency, stream_bytes_per_s=bandwidth),
         running_daemon(*FLAGS) as daemon,
     ):
-        client = Client(daemon.socket)
+        client = Client(daemon.socket, read_yourself=False)
         _load(client, Path(mnt) / "shard.safetensors")
         learned = _probed(client)["seek_cost_bytes"]
         client.close()

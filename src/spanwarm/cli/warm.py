@@ -39,7 +39,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    client = Client(args.socket)
+    client = Client(args.socket, read_yourself=False)  # warm everything, resident or not
     start = time.monotonic()
     try:
         ticket = client.request(args.targets, job="spanwarm-warm", rank=0)

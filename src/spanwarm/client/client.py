@@ -44,7 +44,7 @@ __all__ = ["Client", "Progress", "Ticket", "message_dict"]
 
 logger = logging.getLogger("spanwarm.client")
 
-_PENDING, _READY, _FAILED, _RELEASED = 0, 1, 2, 3
+_PENDING, _READY, _FAILED, _RELEASED, _RESIDENT = 0, 1, 2, 3, 4
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
@@ -78,10 +78,12 @@ class Progress:
     """Tensors the daemon could not warm, or released without it (daemon absent or gone)."""
     bytes_total: int
     bytes_ready: int
+    resident: int = 0
+    """Tensors resident before the request: every one was, so nothing was asked for."""
 
     @property
     def done(self) -> bool:
-        return self.ready + self.failed == self.groups
+        return self.ready + self.failed + self.resident == self.groups
 
 
 class Ticket:
@@ -247,6 +249,7 @@ class Ticket:
                 failed=sum(1 for s in self._state if s in (_FAILED, _RELEASED)),
                 bytes_total=sum(self._bytes),
                 bytes_ready=sum(self._bytes[i] for i in ready),
+                resident=sum(1 for s in self._state if s == _RESIDENT),
             )
 
     def consumed(self, names: Iterable[str]) -> None:
@@ -538,13 +541,20 @@ class Client:
 
     def _consume(self, ticket: Ticket, request: Any) -> None:
         try:
-            # First, before the grant and the plan: a rank whose tensors are resident
-            # already reads them at once instead of waiting for the daemon's answer. The
-            # request still goes out: the node's view (status, dedupe, what each rank
-            # asked for) stays whole, and the daemon finds those bytes warm at once.
+            # First, before the grant and the plan: a rank reads the tensors resident
+            # already at once instead of waiting for the daemon's answer, and asks only
+            # for the others. Nothing could make those sooner, and the daemon's work for
+            # them (grant, admission, events, reports) would take CPU from the load on
+            # the node's cores; where every tensor is resident, nothing goes out at all.
             check_endpoint(self.socket)  # no daemon, or not one to trust: release at once
             if self.read_yourself:
-                _note_residency(ticket, request)
+                resident = _note_residency(ticket, request)
+                if resident.any():
+                    ticket._mark(np.flatnonzero(resident).tolist(), _RESIDENT)
+                    group_index = np.asarray(request.group_index, dtype=np.int64)
+                    request = _select_spans(request, ~resident[group_index])
+                    if request is None:
+                        return
             request = self._prove(ticket, request)
             if request is None or ticket.finished.is_set():  # cancelled or released meanwhile
                 return
@@ -630,26 +640,7 @@ class Client:
         for position, reason in granted.failures.items():
             groups = np.unique(group_index[file_index == position])
             ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {reason}")
-        if not granted.files:  # nothing this process may read: nothing to ask for
-            return None
-        failed = np.isin(file_index, list(granted.failures))
-        renumber = np.full(len(request.files), -1, dtype=np.int64)
-        renumber[granted.files] = np.arange(len(granted.files))
-        keep = ~failed
-        files = [request.files[i] for i in granted.files]
-        columns = {
-            name: np.asarray(getattr(request, name), dtype=np.uint64)[keep]
-            for name in ("offset", "length", "stride", "count", "group_index")
-        }
-        file_index = renumber[file_index[keep]]
-        del request.files[:]
-        request.files.extend(files)
-        for name, column in columns.items():
-            del getattr(request, name)[:]
-            getattr(request, name).extend(column.tolist())
-        del request.file_index[:]
-        request.file_index.extend(file_index.tolist())
-        return request
+        return _select_spans(request, ~np.isin(file_index, list(granted.failures)))
 
     def _attach(self, ticket: Ticket, request_id: int) -> None:
         """Give the ticket its request id and a way to report consumption."""
@@ -697,9 +688,36 @@ class Client:
         return ticket
 
 
-def _note_residency(ticket: Ticket, request: Any) -> None:
+def _select_spans(request: Any, keep: Any) -> Any:
+    """``request`` with only the spans where ``keep`` is set, and only the files those
+    name (renumbered); None when no span is left. Groups keep their numbers: the
+    ticket's and the daemon's events name them so."""
+    if keep.all():
+        return request
+    if not keep.any():
+        return None
+    file_index = np.asarray(request.file_index, dtype=np.int64)[keep]
+    used = np.unique(file_index)
+    renumber = np.full(len(request.files), -1, dtype=np.int64)
+    renumber[used] = np.arange(len(used))
+    files = [request.files[i] for i in used.tolist()]
+    columns = {
+        name: np.asarray(getattr(request, name), dtype=np.uint64)[keep]
+        for name in ("offset", "length", "stride", "count", "group_index")
+    }
+    del request.files[:]
+    request.files.extend(files)
+    for name, column in columns.items():
+        del getattr(request, name)[:]
+        getattr(request, name).extend(column.tolist())
+    del request.file_index[:]
+    request.file_index.extend(renumber[file_index].tolist())
+    return request
+
+
+def _note_residency(ticket: Ticket, request: Any) -> Any:
     """Find which tensors are in the page cache now (all their spans' envelopes, but for
-    ``_RESIDENT_SLACK`` bytes), and wake the waiters to look.
+    ``_RESIDENT_SLACK`` bytes), and wake the waiters to look; returns that, per tensor.
     Where mincore cannot be believed (a file this process neither owns nor may write:
     the kernel then says every page is present), nothing counts as resident."""
     file_index = np.asarray(request.file_index, dtype=np.int64)
@@ -742,6 +760,7 @@ def _note_residency(ticket: Ticket, request: Any) -> None:
     with ticket._cond:
         ticket._resident = resident
         ticket._cond.notify_all()
+    return resident
 
 
 def _index_read_bytes(ticket: Ticket, request: Any) -> None:

@@ -159,17 +159,20 @@ def main() -> None:
 
     handles = {}
     outcomes: collections.Counter[str] = collections.Counter()
+    # Per tensor: name, outcome, bytes loaded, seconds waited, seconds reading.
+    tensors: list[tuple[str, str, int, float, float]] = []
     waited = 0.0
     first = None
     loaded = 0
     for name, (value, placements, mesh) in state.items():
         outcome = ""
+        waiting = time.monotonic()
         if ticket is not None:
-            waiting = time.monotonic()
             outcome = ticket.wait_for_read(name)  # as spanwarm's integrations wait
             outcomes[outcome] += 1
-            waited += time.monotonic() - waiting
         reading = time.monotonic()
+        waited += reading - waiting
+        before = loaded
         header, info = checkpoint.pieces[name][0]
         if header.path not in handles:
             handles[header.path] = safe_open(header.path, framework="pt")
@@ -185,6 +188,9 @@ def main() -> None:
         for box in itertools.product(*runs):
             # clone(): a contiguous slice can be a view of the mapping; copying reads it.
             loaded += view[tuple(slice(a, b) for a, b in box)].clone().nbytes
+        tensors.append(
+            (name, outcome, loaded - before, reading - waiting, time.monotonic() - reading)
+        )
         if ticket is not None:
             if outcome == "read":
                 ticket.took(name, time.monotonic() - reading)  # as GatedReads reports
@@ -210,6 +216,7 @@ def main() -> None:
                 "pid": os.getpid(),
                 "outcomes": dict(outcomes),  # ready: warmed in time; read: read it itself
                 "waited_s": waited,
+                "tensors": tensors,
             }
         )
     )

@@ -48,8 +48,11 @@ _PENDING, _READY, _FAILED, _RELEASED, _RESIDENT = 0, 1, 2, 3, 4
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
-# page cache reclaims cold pages a few at a time), and a 64 KiB read is one request.
+# page cache reclaims cold pages a few at a time), and a 64 KiB read is one request. At
+# most an eighth of its envelopes, though: a small tensor missing whole is cold, and on a
+# mount with 50 ms a request reading it is no cheaper than waiting for the daemon.
 _RESIDENT_SLACK = 64 * 2**10
+_RESIDENT_SLACK_SHARE = 8
 # Bytes of envelopes checked for residency per request (about 16M page lookups, tens of
 # milliseconds): past that, tensors count as not resident.
 _RESIDENCY_SCAN_BYTES = 64 * 2**30
@@ -717,7 +720,8 @@ def _select_spans(request: Any, keep: Any) -> Any:
 
 def _note_residency(ticket: Ticket, request: Any) -> Any:
     """Find which tensors are in the page cache now (all their spans' envelopes, but for
-    ``_RESIDENT_SLACK`` bytes), and wake the waiters to look; returns that, per tensor.
+    ``_RESIDENT_SLACK`` bytes, at most an eighth of them), and wake the waiters to look;
+    returns that, per tensor.
     Where mincore cannot be believed (a file this process neither owns nor may write:
     the kernel then says every page is present), nothing counts as resident."""
     file_index = np.asarray(request.file_index, dtype=np.int64)
@@ -756,7 +760,9 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     names = len(ticket._names)
     per_tensor = np.zeros(names, dtype=np.float64)
     np.add.at(per_tensor, g, missing.astype(np.float64))
-    resident = (per_tensor <= _RESIDENT_SLACK) & (np.bincount(g, minlength=names) > 0)
+    envelopes = np.bincount(g, weights=(hi - lo).astype(np.float64), minlength=names)
+    slack = np.minimum(_RESIDENT_SLACK, envelopes / _RESIDENT_SLACK_SHARE)
+    resident = (per_tensor <= slack) & (np.bincount(g, minlength=names) > 0)
     with ticket._cond:
         ticket._resident = resident
         ticket._cond.notify_all()

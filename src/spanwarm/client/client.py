@@ -82,7 +82,7 @@ class Progress:
     bytes_total: int
     bytes_ready: int
     resident: int = 0
-    """Tensors resident before the request: every one was, so nothing was asked for."""
+    """Tensors in the page cache when the request went out: read at once, not asked for."""
 
     @property
     def done(self) -> bool:

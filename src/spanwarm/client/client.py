@@ -262,6 +262,8 @@ class Ticket:
         gRPC call on each, on cores the load needs)."""
         groups = [self._index[n] for n in names if n in self._index]
         with self._cond:
+            if self._request_id is None and self.finished.is_set():
+                return  # it never reached the daemon (all resident, or released): nobody to tell
             self._unreported.extend(groups)
             if self._request_id is None or self._report is None or self._flushing:
                 return  # sent once the plan arrives, or with the batch already due

@@ -238,7 +238,9 @@ class Ticket:
         return behind
 
     def ready(self, name: str) -> bool:
-        """True when ``name`` is warm, released, or not part of the request."""
+        """True when ``name`` is warm, was resident when the request went out (read it
+        now; up to ``_RESIDENT_SLACK`` of it may be missing), was released, or is not
+        part of the request."""
         i = self._index.get(name)
         return i is None or self._state[i] != _PENDING
 
@@ -260,10 +262,14 @@ class Ticket:
         moves on to the next ones. Returns at once: reports go out in batches, at most
         ``_REPORT_DELAY`` later (a loader of many small tensors would otherwise spend a
         gRPC call on each, on cores the load needs)."""
-        groups = [self._index[n] for n in names if n in self._index]
         with self._cond:
-            if self._request_id is None and self.finished.is_set():
-                return  # it never reached the daemon (all resident, or released): nobody to tell
+            if self.finished.is_set():
+                return  # the stream is over, or never began: no request to tell
+            groups = [
+                i
+                for i in (self._index.get(n) for n in names)
+                if i is not None and self._state[i] != _RESIDENT  # never asked for
+            ]
             self._unreported.extend(groups)
             if self._request_id is None or self._report is None or self._flushing:
                 return  # sent once the plan arrives, or with the batch already due
@@ -424,8 +430,10 @@ class Client:
         self.stall_timeout = stall_timeout
         """Release a ticket whose daemon shows no progress for this long (seconds)."""
         self.read_yourself = read_yourself
-        """``Ticket.wait_for_read`` stops waiting once reading a tensor here would be sooner
-        (False: it waits like ``wait``, e.g. to see every tensor warmed by the daemon)."""
+        """``Ticket.wait_for_read`` stops waiting once reading a tensor here would be sooner,
+        and tensors resident when a request goes out are read at once and not asked for
+        (False: every tensor goes to the daemon and ``wait_for_read`` waits like ``wait``,
+        e.g. to see every tensor warmed by the daemon, or to have ``--hold`` pin it)."""
         self.disabled = os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()
@@ -555,7 +563,6 @@ class Client:
             if self.read_yourself:
                 resident = _note_residency(ticket, request)
                 if resident.any():
-                    ticket._mark(np.flatnonzero(resident).tolist(), _RESIDENT)
                     group_index = np.asarray(request.group_index, dtype=np.int64)
                     request = _select_spans(request, ~resident[group_index])
                     if request is None:
@@ -722,8 +729,8 @@ def _select_spans(request: Any, keep: Any) -> Any:
 
 def _note_residency(ticket: Ticket, request: Any) -> Any:
     """Find which tensors are in the page cache now (all their spans' envelopes, but for
-    ``_RESIDENT_SLACK`` bytes, at most an eighth of them), and wake the waiters to look;
-    returns that, per tensor.
+    ``_RESIDENT_SLACK`` bytes, at most an eighth of them), mark them resident, and wake
+    the waiters to look; returns that, per tensor.
     Where mincore cannot be believed (a file this process neither owns nor may write:
     the kernel then says every page is present), nothing counts as resident."""
     file_index = np.asarray(request.file_index, dtype=np.int64)
@@ -767,6 +774,10 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     resident = (per_tensor <= slack) & (np.bincount(g, minlength=names) > 0)
     with ticket._cond:
         ticket._resident = resident
+        for i in np.flatnonzero(resident).tolist():  # in the same step: no reader sees a
+            if ticket._state[i] == _PENDING:  # tensor resident but still pending
+                ticket._state[i] = _RESIDENT
+                ticket._pending -= 1
         ticket._cond.notify_all()
     return resident
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.memory_map import map_range, unmap
 from spanwarm.residency import evict
 
-__all__ = ["cold_file", "running_daemon"]
+__all__ = ["cold_file", "pinned", "running_daemon"]
 
 
 running_daemon = spawn_daemon
@@ -26,3 +31,21 @@ def cold_file(path: Path, size: int, *, seed: int = 0) -> Path:
         os.fsync(f.fileno())
     evict(path)
     return path
+
+
+@contextlib.contextmanager
+def pinned(fd: int, offset: int, length: int) -> Iterator[None]:
+    """Read ``[offset, offset + length)`` of open file ``fd`` (page-aligned offset) in,
+    and only that, and keep it mapped and locked while the block runs: this VM reclaims
+    idle page cache a few pages at a time, which would change what a test finds resident."""
+    address = map_range(fd, offset, length)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # MADV_RANDOM: locking faults the range in without reading around it.
+        if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), mmap.MADV_RANDOM):
+            raise OSError(ctypes.get_errno(), "madvise failed")
+        if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(length)) != 0:
+            raise OSError(ctypes.get_errno(), "mlock failed")
+        yield
+    finally:
+        unmap(address, length)

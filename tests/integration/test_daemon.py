@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import stat
@@ -15,11 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.memory_map import map_range, unmap
 from spanwarm.residency import evict, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from spanwarm.safetensors_header import read_header
-from tests.daemon_harness import cold_file, running_daemon
+from tests.daemon_harness import cold_file, pinned, running_daemon
 
 MiB = 2**20
 
@@ -335,17 +333,14 @@ def test_a_resident_file_changed_in_place_is_not_reported_warm(tmp_path: Path) -
     busy = cold_file(tmp_path / "busy", 8 * MiB)
     resident = cold_file(tmp_path / "resident", 8 * MiB, seed=1)
     fd = os.open(resident, os.O_RDONLY)
-    # Pinned (mapped and locked), so that the VM's reclaim of idle cache cannot send the
-    # daemon down the path that reads, where the change would be noticed anyway.
-    pinned = map_range(fd, 0, 8 * MiB)
-    libc = ctypes.CDLL(None, use_errno=True)
+    # Pinned, so that the VM's reclaim of idle cache cannot send the daemon down the path
+    # that reads, where the change would be noticed anyway.
     try:
-        assert libc.mlock(ctypes.c_void_p(pinned), ctypes.c_size_t(8 * MiB)) == 0
-        assert resident_bytes(fd, 0, 8 * MiB) == 8 * MiB
-        _changed_while_queued(busy, resident)
-        assert resident_bytes(fd, 0, 8 * MiB) == 8 * MiB  # all there to be verified
+        with pinned(fd, 0, 8 * MiB):
+            assert resident_bytes(fd, 0, 8 * MiB) == 8 * MiB
+            _changed_while_queued(busy, resident)
+            assert resident_bytes(fd, 0, 8 * MiB) == 8 * MiB  # all there to be verified
     finally:
-        unmap(pinned, 8 * MiB)
         os.close(fd)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -12,7 +13,7 @@ import pytest
 
 from spanwarm.calibrate import calibrate
 from spanwarm.cli.calibrate import write_seek_cost
-from tests.daemon_harness import cold_file
+from tests.daemon_harness import cold_file, pinned
 
 MiB = 2**20
 
@@ -29,10 +30,16 @@ def spanwarm(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_residency_reports_resident_bytes(tmp_path: Path) -> None:
     path = cold_file(tmp_path / "f", 8 * MiB)
-    with open(path, "rb") as f:
-        f.seek(2 * MiB)
-        f.read(MiB)
-    result = spanwarm("residency", "--json", str(path), f"{path}:2MiB:1MiB", str(tmp_path / "gone"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Read in by locking it, and kept: this VM's reclaim would take pages meanwhile.
+        with pinned(fd, 2 * MiB, MiB):
+            result = spanwarm(
+                "residency", "--json", str(path), f"{path}:2MiB:1MiB", str(tmp_path / "gone")
+            )
+            table = spanwarm("residency", f"{path}:2MiB:1MiB")
+    finally:
+        os.close(fd)
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert result.returncode == 1  # the missing file
     assert "gone: No such file" in result.stderr
@@ -41,7 +48,6 @@ def test_residency_reports_resident_bytes(tmp_path: Path) -> None:
     assert MiB <= whole["resident_bytes"] < 8 * MiB
     assert part["resident_bytes"] == MiB
     assert part["trusted"] is True
-    table = spanwarm("residency", f"{path}:2MiB:1MiB")
     assert "1.0 MiB of 1.0 MiB resident (100.0%)" in table.stdout
 
 

@@ -5,6 +5,7 @@ A real daemon, real files; residency measured with mincore right after each step
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from spanwarm.client import Client
@@ -51,6 +52,28 @@ def test_a_cell_another_rank_still_needs_stays(tmp_path: Path) -> None:
         assert resident(path, 0, 4 * MiB) >= 4 * MiB * 0.99
         a.close()
         b.close()
+
+
+def test_bytes_resident_before_the_daemon_came_stay(tmp_path: Path) -> None:
+    """The daemon gives back what it brought in, not page cache that was there before it
+    (another job's, or tensors a rank read itself without asking)."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 16 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into "b"
+        assert len(os.pread(fd, 8 * MiB, 0)) == 8 * MiB  # resident before any request
+    finally:
+        os.close(fd)
+    assert resident(path, 8 * MiB, 8 * MiB) == 0
+    with running_daemon(*FLAGS, "--evict-after-read") as daemon:
+        client = Client(daemon.socket, read_yourself=False)
+        ticket = client.request([span("a", path, 0, 8 * MiB), span("b", path, 8 * MiB, 8 * MiB)])
+        assert ticket.wait(timeout=30)
+        ticket.consumed(["a", "b"])
+        wait_for(lambda: resident(path, 8 * MiB, 8 * MiB) == 0)  # what it read: dropped
+        # What it found there: kept (but for a few pages this VM may reclaim meanwhile).
+        assert resident(path, 0, 8 * MiB) >= 8 * MiB * 0.9
+        client.close()
 
 
 def test_without_the_flag_read_bytes_stay_warm(tmp_path: Path) -> None:

@@ -225,8 +225,9 @@ class DaemonConfig:
         False,
         flag="--evict-after-read",
         kind="bool",
-        help="drop a cell's warmed bytes from the page cache once every rank that needs them "
-        "has reported them read (memory back after a load; a later load reads them again)",
+        help="drop what the daemon read into a cell from the page cache once every rank that "
+        "needs it has reported it read (memory back after a load; a later load reads it "
+        "again; bytes it found resident stay)",
     )
     cgroup_root: str = _setting(
         "/sys/fs/cgroup",

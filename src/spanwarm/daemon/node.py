@@ -109,6 +109,9 @@ class Cell:
     waiters: list[Request] = field(default_factory=list)
     bad: tuple[tuple[int, int, float], ...] = ()  # failed reads: (start, stop, when)
     read: bool = False  # a rank reported all its bytes here read (--evict-after-read)
+    # --evict-after-read: what the daemon itself brought in from storage here (bytes that
+    # were resident before it came are someone else's, and stay).
+    fetched: tuple[Range, ...] = ()
 
     def wait(self, request: Request) -> None:
         if request not in self.waiters:
@@ -124,6 +127,7 @@ class _Outcome:
     """What one warm operation did."""
 
     read: int = 0  # bytes read from storage
+    fetched: list[Range] = field(default_factory=list)  # the pieces those bytes were in
     verified: int = 0  # bytes found resident already
     kept: list[tuple[int, int]] = field(default_factory=list)  # --hold: (address, length)
     bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
@@ -373,9 +377,11 @@ class Node:
             self._wake.set()  # even if another rank still holds the cell: this one may go on
 
     def _evict_if_done(self, key: CellKey) -> None:
-        """--evict-after-read: drop a cell's warmed bytes once a rank has read its part and
-        no live request still needs any of them (nothing unread there, no waiter, no read in
-        flight). Readiness needs warm operations completed after a request arrived, so a
+        """--evict-after-read: drop the bytes the daemon read into a cell once a rank has
+        read its part and no live request still needs any of them (nothing unread there, no
+        waiter, no read in flight). Bytes it found resident stay: they were in the page
+        cache before it came (another job's, or tensors a rank read itself without
+        asking). Readiness needs warm operations completed after a request arrived, so a
         later request warms the bytes again: nothing is ever reported ready from a record
         of bytes that were dropped."""
         cell = self._cells.get(key)
@@ -386,8 +392,9 @@ class Node:
         file = key[0]
         if any(r.unread_in(key) for r in self._users.get(file, ())):
             return
-        ranges = _union((a, b) for a, b, _ in cell.warm)
+        ranges = _union(cell.fetched)
         cell.read = False
+        cell.fetched = ()
         # Forget them too: a request already arriving (still being admitted, not yet among
         # the file's users) must not count these bytes as warmed for it.
         cell.warm.clear()
@@ -892,6 +899,8 @@ class Node:
             good = _subtract(outcome.covered, bad)
             warmed_cell = self._cells[key]
             warmed_cell.warm.extend((a, b, done) for a, b in good)
+            if self.config.evict_after_read and outcome.fetched:
+                warmed_cell.fetched += tuple(outcome.fetched)
             warmed = sum(b - a for a, b in good)
             self._mappings.setdefault(key, []).extend(outcome.kept)
             self._held[key] = self._held.get(key, 0) + warmed
@@ -971,6 +980,7 @@ class Node:
                         io = self.engine.io_seconds() - io_before
                         self.throughput.record(file.identity.device, stop - start, io)
                 outcome.read += stop - start - resident
+                outcome.fetched.append((start, stop))
                 outcome.verified += resident
             if self.config.hold:
                 bad = [(b.start, b.stop) for b in outcome.bad]

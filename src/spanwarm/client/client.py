@@ -774,11 +774,9 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     resident = (per_tensor <= slack) & (np.bincount(g, minlength=names) > 0)
     with ticket._cond:
         ticket._resident = resident
-        for i in np.flatnonzero(resident).tolist():  # in the same step: no reader sees a
-            if ticket._state[i] == _PENDING:  # tensor resident but still pending
-                ticket._state[i] = _RESIDENT
-                ticket._pending -= 1
-        ticket._cond.notify_all()
+        # In the same step (the condition's lock is re-entrant): no reader sees a tensor
+        # resident but still pending.
+        ticket._mark(np.flatnonzero(resident).tolist(), _RESIDENT)
     return resident
 
 

@@ -110,7 +110,7 @@ def measure_seek(path: str) -> SeekCost:
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         size = os.fstat(fd).st_size
-        return measure_seek_cost(fd, plan_seek_measurement(fd, size), chunk_bytes=CHUNK)
+        return measure_seek_cost([fd], plan_seek_measurement([(fd, size)]), chunk_bytes=CHUNK)
     finally:
         os.close(fd)
 

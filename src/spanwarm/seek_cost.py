@@ -1,9 +1,9 @@
 """The price of one seek, measured: the time of a seek times one stream's sequential rate.
 
 The cost model prices a seek as ``S`` bytes: what a sequential read gets through in the
-time one seek costs (docs/planning.md). So it is two measurements on cold data of one
-file, both through a single descriptor (one stream) with ``POSIX_FADV_RANDOM``, ``pread``
-in pieces of the daemon's chunk size:
+time one seek costs (docs/planning.md). So it is two measurements on cold data of a
+mount's files, each read through a single descriptor (one stream) with
+``POSIX_FADV_RANDOM``, ``pread`` in pieces of the daemon's chunk size:
 
 - the sequential rate: a short and a long contiguous read at two places; the difference
   in bytes over the difference in time, so the latency of their first request cancels
@@ -17,8 +17,12 @@ Neither is what evenly spaced small spans give: 16 KiB every 128 KiB is one stre
 such a mount, and prices a seek at a few dozen KiB where the mount really charges its
 full latency for every jump past its window.
 
-Used by ``spanwarm calibrate`` (the whole file evicted first) and by the daemon's probe
-(windows found cold, and a request arriving stops it: ``busy``).
+The places may lie in several files of one mount (a checkpoint of many small shards, a
+DCP directory written by many ranks): the windows in the first files with room for them,
+24 and 8 MiB where there is, else 12 and 4 MiB; the seeks anywhere after them.
+
+Used by ``spanwarm calibrate`` (one file, evicted first) and by the daemon's probe
+(places found cold, and a request arriving stops it: ``busy``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import errno
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +40,10 @@ from spanwarm.residency import PAGE, resident_bytes, resident_pages
 
 __all__ = [
     "MIN_FILE_BYTES",
+    "MIN_PLACE_BYTES",
+    "FileFailed",
     "MeasureStopped",
+    "Place",
     "SeekCost",
     "SeekPlan",
     "measure_seek_cost",
@@ -44,19 +51,23 @@ __all__ = [
 ]
 
 SLOT = 4 << 20  # windows and seek places are whole slots: between two seeks, one slot
-SHORT_BYTES = 2 * SLOT  # the short contiguous read
-LONG_BYTES = 6 * SLOT  # the long one: 16 MiB more, at the sequential rate
+# The (long, short) windows, the first pair there is room for: the long one reads
+# 16 MiB (8 MiB) more than the short one, at the sequential rate.
+WINDOWS = ((6 * SLOT, 2 * SLOT), (3 * SLOT, SLOT))
+LONG_BYTES, SHORT_BYTES = WINDOWS[0]
 MIN_SEEKS = 8
 MAX_SEEKS = 64
 SEEK_SECONDS = 0.5  # enough seeks to outweigh timer and scheduling noise, when fast
-MIN_FILE_BYTES = SHORT_BYTES + LONG_BYTES + (MIN_SEEKS + 2) * SLOT  # and a slot between
-MAX_CHECKED = 1024  # slots looked at, from the end (4 GiB): a huge file costs no more
+# One file that holds everything at the full geometry, a slot between each place.
+MIN_FILE_BYTES = SHORT_BYTES + LONG_BYTES + (MIN_SEEKS + 2) * SLOT
+MIN_PLACE_BYTES = 2 * SLOT  # a smaller file holds at most one place: not worth a look
+MAX_CHECKED = 1024  # slots looked at per file, from the end (4 GiB): a huge file costs no more
 CHUNK = 8 << 20  # reads of the daemon's default chunk size
 MAX_SEEK_COST = 1 << 30  # past this a figure is a damaged measurement, not a mount
 
 
 class MeasureStopped(RuntimeError):
-    """The file cannot be measured (``retry`` False), or ``busy()`` said to stop
+    """The files cannot be measured (``retry`` False), or ``busy()`` said to stop
     (``retry`` True)."""
 
     def __init__(self, reason: str, *, retry: bool = False) -> None:
@@ -64,13 +75,31 @@ class MeasureStopped(RuntimeError):
         self.retry = retry
 
 
+class FileFailed(RuntimeError):
+    """Looking at or reading file ``index`` failed: that file, not the others, is to
+    blame (``__cause__`` says how)."""
+
+    def __init__(self, index: int, offset: int, exc: Exception) -> None:
+        super().__init__(f"file {index} at offset {offset}: {exc}")
+        self.index = index
+
+
+@dataclass(frozen=True)
+class Place:
+    file: int
+    """Index into the files planned on."""
+    offset: int
+
+
 @dataclass(frozen=True)
 class SeekPlan:
     """Where to read: the two contiguous windows, and the pages to seek to."""
 
-    short_at: int
-    long_at: int
-    seeks: tuple[int, ...]
+    long: Place
+    short: Place
+    long_bytes: int
+    short_bytes: int
+    seeks: tuple[Place, ...]
 
 
 @dataclass(frozen=True)
@@ -85,51 +114,95 @@ class SeekCost:
     ``stream_bytes_per_s``, but never inflated by noise in a difference of two timings."""
 
 
-def plan_seek_measurement(
-    fd: int, size: int, *, busy: Callable[[], bool] = lambda: False
-) -> SeekPlan:
-    """Cold, allocated places in the open file ``fd`` of ``size`` bytes, from the end back
-    (a load reads from the front): two windows, then up to ``MAX_SEEKS`` pages one slot
-    apart. At most ``MAX_CHECKED`` slots are looked at, whatever the file's size. Raises
-    :class:`MeasureStopped` when there are too few, or when ``busy()`` says so."""
-    if os.fstat(fd).st_blocks * 512 < MIN_FILE_BYTES:  # mostly hole: reads cost no I/O
-        raise MeasureStopped(f"fewer than {MIN_FILE_BYTES} bytes allocated")
-    slots = range((size // SLOT - 1) * SLOT, -1, -SLOT)[:MAX_CHECKED]
-    if not slots:
-        raise MeasureStopped("smaller than one slot")
-    # One mincore pass over what the search may look at (windows reach past their slot),
-    # not one per place tried: a file the load left resident is searched in milliseconds.
-    # Element i: how many of the first i pages from the last slot on are resident.
-    bits = resident_pages(fd, slots[-1], size - slots[-1])
-    resident = np.concatenate(([0], np.cumsum(bits, dtype=np.int64)))
-    taken: list[tuple[int, int]] = []
+class _ColdFile:
+    """Where in one file a place may go: cold, allocated, a slot clear of the places
+    taken there already. One mincore pass over the part looked at (windows reach past
+    their slot), not one per place tried: a file the load left resident is searched in
+    milliseconds."""
 
-    def usable(start: int, length: int) -> bool:
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.taken: list[tuple[int, int]] = []
+        if size < MIN_PLACE_BYTES or os.fstat(fd).st_blocks * 512 < MIN_PLACE_BYTES:
+            self.slots: Sequence[int] = ()  # too small, or mostly hole: reads cost no I/O
+            return
+        self.slots = range((size // SLOT - 1) * SLOT, -1, -SLOT)[:MAX_CHECKED]
+        bits = resident_pages(fd, self.slots[-1], size - self.slots[-1])
+        # Element i: how many of the first i pages from the last slot on are resident.
+        self._resident = np.concatenate(([0], np.cumsum(bits, dtype=np.int64)))
+
+    def usable(self, start: int, length: int) -> bool:
         # One slot clear of everything taken: no read continues near where another ended.
-        clear = all(start + length + SLOT <= a or start >= b + SLOT for a, b in taken)
-        if not clear or start + length > size:
+        clear = all(start + length + SLOT <= a or start >= b + SLOT for a, b in self.taken)
+        if not clear or start + length > self.size:
             return False
-        first, last = (start - slots[-1]) // PAGE, (start + length - slots[-1] - 1) // PAGE
-        return resident[last + 1] == resident[first] and _all_data(fd, start, start + length)
+        base = self.slots[-1]
+        first, last = (start - base) // PAGE, (start + length - base - 1) // PAGE
+        cold = self._resident[last + 1] == self._resident[first]
+        return bool(cold) and _all_data(self.fd, start, start + length)
 
-    seeks: list[int] = []
-    for start in slots:
+    def take(self, length: int) -> int | None:
+        """The last usable place of ``length`` bytes (a load reads from the front)."""
+        for start in self.slots:
+            if self.usable(start, length):
+                self.taken.append((start, start + length))
+                return start
+        return None
+
+
+def plan_seek_measurement(
+    files: Sequence[tuple[int, int]], *, busy: Callable[[], bool] = lambda: False
+) -> SeekPlan:
+    """Cold, allocated places in the open files ``files`` (descriptor, size) of one mount:
+    two windows, then up to ``MAX_SEEKS`` pages one slot apart, each file searched from
+    the end back, at most ``MAX_CHECKED`` slots of it. Raises :class:`MeasureStopped`
+    when there are too few, or when ``busy()`` says so; :class:`FileFailed` when a file
+    cannot be looked at."""
+    cold: list[_ColdFile] = []
+    for index, (fd, size) in enumerate(files):
         if busy():
             raise MeasureStopped("a request arrived", retry=True)
-        want = (LONG_BYTES, SHORT_BYTES)[len(taken)] if len(taken) < 2 else PAGE
-        if usable(start, want):
-            if want == PAGE:
-                seeks.append(start)
-                if len(seeks) == MAX_SEEKS:
-                    break
-            else:
-                taken.append((start, start + want))
-    if len(taken) < 2 or len(seeks) < MIN_SEEKS:
+        try:
+            cold.append(_ColdFile(fd, size))
+        except OSError as exc:
+            raise FileFailed(index, 0, exc) from exc
+    windows: list[Place] = []
+    for long_bytes, short_bytes in WINDOWS:
+        for item in cold:
+            item.taken.clear()
+        windows = []
+        for length in (long_bytes, short_bytes):
+            place = _take(cold, length)
+            if place is not None:
+                windows.append(place)
+        if len(windows) == 2:
+            break
+    seeks: list[Place] = []
+    for index, item in enumerate(cold):
+        for start in item.slots:
+            if len(seeks) == MAX_SEEKS:
+                break
+            if busy():
+                raise MeasureStopped("a request arrived", retry=True)
+            if item.usable(start, PAGE):  # slots: each a slot past the one before
+                seeks.append(Place(index, start))
+    if len(windows) < 2 or len(seeks) < MIN_SEEKS:
         raise MeasureStopped(
-            f"{len(taken)} cold windows and {len(seeks)} cold places to seek to in the last "
-            f"{MAX_CHECKED} slots; 2 and {MIN_SEEKS} needed"
+            f"{len(windows)} cold windows and {len(seeks)} cold places to seek to in "
+            f"{len(files)} files; 2 and {MIN_SEEKS} needed"
         )
-    return SeekPlan(short_at=taken[1][0], long_at=taken[0][0], seeks=tuple(seeks))
+    long, short = windows
+    return SeekPlan(long, short, long_bytes, short_bytes, tuple(seeks))
+
+
+def _take(cold: Sequence[_ColdFile], length: int) -> Place | None:
+    """A place of ``length`` bytes in the first file that has one."""
+    for index, item in enumerate(cold):
+        for start in item.slots:
+            if item.usable(start, length):
+                item.taken.append((start, start + length))
+                return Place(index, start)
+    return None
 
 
 def _all_data(fd: int, start: int, stop: int) -> bool:
@@ -143,40 +216,55 @@ def _all_data(fd: int, start: int, stop: int) -> bool:
 
 
 def measure_seek_cost(
-    fd: int,
+    fds: Sequence[int],
     plan: SeekPlan,
     *,
     busy: Callable[[], bool] = lambda: False,
     chunk_bytes: int = CHUNK,
-    read: list[tuple[int, int]] | None = None,
+    read: list[tuple[int, int, int]] | None = None,
 ) -> SeekCost:
-    """Read what ``plan`` names through ``fd`` (one stream; the caller sets
-    ``POSIX_FADV_RANDOM``) and price a seek. Each place is checked cold again just before
-    it is read: a window found resident stops the measurement, a seek place is passed
-    over (someone read it meanwhile: it would time memory). ``busy()`` is asked before
-    every read; when it says so, :class:`MeasureStopped` (``retry``) ends the measurement.
-    What was read is appended to ``read`` as it goes (for dropping it afterwards)."""
+    """Read what ``plan`` names through ``fds`` (one stream each, the files it was planned
+    on; the caller sets ``POSIX_FADV_RANDOM``) and price a seek. Each place is checked
+    cold again just before it is read: a window found resident stops the measurement, a
+    seek place is passed over (someone read it meanwhile: it would time memory).
+    ``busy()`` is asked before every read; when it says so, :class:`MeasureStopped`
+    (``retry``) ends the measurement. What was read is appended to ``read`` as (file,
+    start, stop) before it is read (for dropping it afterwards, and to name the file a
+    read is stuck in); a read that fails raises :class:`FileFailed`."""
     done = [] if read is None else read
 
-    def timed(offset: int, length: int) -> float:
+    def resident(place: Place, length: int) -> int:
+        try:
+            return resident_bytes(fds[place.file], place.offset, length)
+        except OSError as exc:
+            raise FileFailed(place.file, place.offset, exc) from exc
+
+    def timed(place: Place, length: int) -> float:
         if busy():
             raise MeasureStopped("a request arrived", retry=True)
-        done.append((offset, offset + length))
-        return _read(fd, offset, length, chunk_bytes, busy)
+        done.append((place.file, place.offset, place.offset + length))
+        try:
+            return _read(fds[place.file], place.offset, length, chunk_bytes, busy)
+        except OSError as exc:
+            raise FileFailed(place.file, place.offset, exc) from exc
 
-    for at, length in ((plan.long_at, LONG_BYTES), (plan.short_at, SHORT_BYTES)):
-        if resident_bytes(fd, at, length):
-            raise MeasureStopped(f"the window at {at} was read by someone else meanwhile")
-    long_s = timed(plan.long_at, LONG_BYTES)
-    short_s = timed(plan.short_at, SHORT_BYTES)
-    extra_s = long_s - short_s
+    windows = ((plan.long, plan.long_bytes), (plan.short, plan.short_bytes))
+    for place, length in windows:
+        if resident(place, length):
+            raise MeasureStopped(
+                f"the window at {place.offset} of file {place.file} was read by someone "
+                "else meanwhile"
+            )
+    long_s = timed(plan.long, plan.long_bytes)
+    short_s = timed(plan.short, plan.short_bytes)
+    extra_s, extra_bytes = long_s - short_s, plan.long_bytes - plan.short_bytes
     # The difference cancels the first request's latency; noise can make it useless.
-    rate = (LONG_BYTES - SHORT_BYTES) / extra_s if extra_s > 0 else LONG_BYTES / long_s
+    rate = extra_bytes / extra_s if extra_s > 0 else plan.long_bytes / long_s
     times: list[float] = []
-    for at in plan.seeks:
-        if resident_bytes(fd, at, PAGE):
+    for place in plan.seeks:
+        if resident(place, PAGE):
             continue
-        times.append(timed(at, PAGE))
+        times.append(timed(place, PAGE))
         if len(times) >= MIN_SEEKS and sum(times) >= SEEK_SECONDS:
             break
     if len(times) < MIN_SEEKS:
@@ -184,7 +272,7 @@ def measure_seek_cost(
     # The median: one seek that waited on something else says nothing of the storage.
     seek_s = max(0.0, statistics.median(times) - PAGE / rate)
     seek_cost = min(MAX_SEEK_COST, int(seek_s * rate))
-    return SeekCost(seek_cost, seek_s, rate, len(times), LONG_BYTES / long_s)
+    return SeekCost(seek_cost, seek_s, rate, len(times), plan.long_bytes / long_s)
 
 
 def _read(fd: int, offset: int, length: int, chunk: int, busy: Callable[[], bool]) -> float:

@@ -123,7 +123,7 @@ def test_seek_cost_set_by_hand_is_used_and_nothing_is_probed(tmp_path: Path) -> 
     assert "probed on" not in log.read_text()
 
 
-def test_a_file_with_nothing_cold_leaves_the_mount_to_the_next_one(tmp_path: Path) -> None:
+def test_a_file_with_nothing_cold_is_passed_over_for_the_mounts_others(tmp_path: Path) -> None:
     warm = cold_file(tmp_path / "warm.safetensors", MIN_FILE_BYTES + 16 * MiB, seed=1)
     cold = cold_file(tmp_path / "cold.safetensors", MIN_FILE_BYTES + 8 * MiB, seed=2)
     log = tmp_path / "daemon.log"
@@ -135,15 +135,34 @@ def test_a_file_with_nothing_cold_leaves_the_mount_to_the_next_one(tmp_path: Pat
         with open(warm, "rb") as f:  # all of it resident: nothing a probe could measure
             while f.read(8 * MiB):
                 pass
-        # One load names both; the larger one is tried first, then the other, unasked.
+        # One load names both: they are probed together, and only the cold one is read.
         ticket = client.request([span("w", warm, 0, 4 * MiB), span("c", cold, 0, 4 * MiB)])
         assert ticket.wait(timeout=60)
         ticket.cancel()
         assert _probed(client)["seek_cost_bytes"] > 0
         client.close()
-    text = log.read_text()
-    assert f"not probed on {warm}" in text
-    assert f"probed on {cold}" in text
+    assert f"probed on {cold}: " in log.read_text()
+
+
+def test_a_checkpoint_of_small_files_is_probed_across_them(tmp_path: Path) -> None:
+    # A DCP directory written by many ranks: no file holds the whole measurement.
+    paths = [cold_file(tmp_path / f"__{i}_0.distcp", 20 * MiB, seed=i) for i in range(4)]
+    log = tmp_path / "daemon.log"
+    with log.open("wb") as stderr, running_daemon(*FLAGS, stderr=stderr) as daemon:
+        client = Client(daemon.socket, read_yourself=False)
+        ticket = client.request([span(f"t{i}", p, 0, MiB) for i, p in enumerate(paths)])
+        assert ticket.wait(timeout=60)
+        ticket.cancel()
+        assert 0 < _probed(client)["seek_cost_bytes"] < 64 * MiB
+        client.close()
+    (line,) = [x for x in log.read_text().splitlines() if "probed on" in x]
+    assert sum(str(p) in line for p in paths) >= 2
+    for path in paths:  # what the probe read left the page cache again
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert resident_bytes(fd, MiB, 19 * MiB) == 0
+        finally:
+            os.close(fd)
 
 
 def test_a_slow_mount_is_priced_at_its_latency_times_its_rate(tmp_path: Path) -> None:
@@ -230,6 +249,43 @@ def test_probes_stuck_in_hung_storage_are_given_up_and_their_user_gets_no_more(
         prober.close()
         for file in opened:
             os.close(file.fd)
+
+
+def test_a_failing_file_costs_neither_the_mount_its_figure_nor_others_their_probe(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.slowfs import Fault, fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    source = tmp_path / "src"
+    source.mkdir()
+    size = MIN_FILE_BYTES + 8 * MiB
+    cold_file(source / "failing.bin", size)  # the largest: the windows go there first
+    for i in range(4):
+        cold_file(source / f"small{i}.bin", 20 * MiB, seed=i + 1)
+    learned = StreamThroughput()
+    prober = SeekProber(learned, chunk=8 * MiB)
+    opened: list[OpenFile] = []
+    before = _descriptors()
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="sw-mnt-") as mnt,
+            mount(source, Path(mnt), "local", faults=[Fault("failing.bin", size // 2, size)]),
+        ):
+            for i, name in enumerate(["failing.bin", *(f"small{i}.bin" for i in range(4))]):
+                opened.append(_offered(Path(mnt) / name))
+                prober.offer(opened[-1], uid=1000 + i)
+            device = opened[0].identity.device
+            assert _tick_until(prober, lambda: learned.seek_cost(device) > 0)
+            assert f"on {mnt}/failing.bin failed" in caplog.text
+            assert caplog.text.count("failed") == 1
+    finally:
+        prober.close()
+        for file in opened:
+            os.close(file.fd)
+    assert _descriptors() == before  # every copy the prober made is closed
 
 
 def _descriptors() -> int:

@@ -1,5 +1,6 @@
 """The seek-cost measurement on real files (seek_cost.py): cold places only, exactly
-the bytes it reads, a bounded search, stopped by a request."""
+the bytes it reads, a bounded search, stopped by a request, spread over a mount's small
+files where one is too small."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest
 from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.seek_cost import (
     LONG_BYTES,
-    MAX_CHECKED,
     MIN_FILE_BYTES,
     MIN_SEEKS,
     SHORT_BYTES,
     SLOT,
+    WINDOWS,
     MeasureStopped,
+    Place,
     measure_seek_cost,
     plan_seek_measurement,
 )
@@ -38,45 +40,78 @@ def test_it_reads_only_cold_places_and_prices_a_seek(tmp_path: Path) -> None:
     fd = _open(cold_file(tmp_path / "shard.bin", size))
     try:
         os.pread(fd, 8 * MiB, size - 8 * MiB)  # the tail is resident: nothing may use it
-        plan = plan_seek_measurement(fd, size)
-        windows = [(plan.long_at, LONG_BYTES), (plan.short_at, SHORT_BYTES)]
+        plan = plan_seek_measurement([(fd, size)])
+        assert (plan.long_bytes, plan.short_bytes) == (LONG_BYTES, SHORT_BYTES)
+        windows = [(plan.long.offset, LONG_BYTES), (plan.short.offset, SHORT_BYTES)]
         for start, length in windows:
             assert start % SLOT == 0
             assert start + length <= size - 8 * MiB
         # No read continues near where another ended: about a slot between any two places.
-        places = sorted([*windows, *((at, PAGE) for at in plan.seeks)])
+        places = sorted([*windows, *((at.offset, PAGE) for at in plan.seeks)])
         gaps = [b - (a + n) for (a, n), (b, _) in itertools.pairwise(places)]
         assert min(gaps) >= SLOT - PAGE
         assert len(plan.seeks) >= MIN_SEEKS
-        read: list[tuple[int, int]] = []
-        cost = measure_seek_cost(fd, plan, read=read)
+        read: list[tuple[int, int, int]] = []
+        cost = measure_seek_cost([fd], plan, read=read)
         assert cost.seeks >= MIN_SEEKS
         assert cost.stream_bytes_per_s > 0
         assert 0 < cost.seek_cost < 64 * MiB  # a local disk: far below a network mount
         # It read what it says it read, and nothing else.
-        assert read[:2] == [(a, a + n) for a, n in windows]
-        assert read[2:] == [(at, at + PAGE) for at in plan.seeks[: cost.seeks]]
-        for start, stop in read:
+        assert read[:2] == [(0, a, a + n) for a, n in windows]
+        assert read[2:] == [(0, at.offset, at.offset + PAGE) for at in plan.seeks[: cost.seeks]]
+        for _, start, stop in read:
             assert resident_bytes(fd, start, stop - start) == stop - start
-        assert resident_bytes(fd, 0, size - 8 * MiB) == sum(b - a for a, b in read)
+        assert resident_bytes(fd, 0, size - 8 * MiB) == sum(b - a for _, a, b in read)
     finally:
         os.close(fd)
+
+
+def test_a_mounts_small_files_are_measured_together(tmp_path: Path) -> None:
+    # A DCP directory of small shards: none holds the windows and eight seeks alone.
+    sizes = [20 * MiB, 20 * MiB, 20 * MiB, 20 * MiB, 4 * MiB]
+    fds = [_open(cold_file(tmp_path / f"__{i}_0.distcp", n, seed=i)) for i, n in enumerate(sizes)]
+    try:
+        for fd, size in zip(fds, sizes, strict=True):
+            with pytest.raises(MeasureStopped, match="cold places to seek to in 1 files"):
+                plan_seek_measurement([(fd, size)])
+        os.pread(fds[1], 4 * MiB, 16 * MiB)  # one file's tail is resident: passed over
+        plan = plan_seek_measurement(list(zip(fds, sizes, strict=True)))
+        assert (plan.long_bytes, plan.short_bytes) == WINDOWS[1]  # the small geometry
+        places = [(plan.long, plan.long_bytes), (plan.short, plan.short_bytes)]
+        places += [(at, PAGE) for at in plan.seeks]
+        assert {at.file for at, _ in places} == {0, 1, 2, 3}  # the 4 MiB file holds none
+        assert Place(1, 16 * MiB) not in plan.seeks
+        for file in range(len(sizes)):  # a slot between any two places of one file
+            mine = sorted((at.offset, n) for at, n in places if at.file == file)
+            assert all(b - (a + n) >= SLOT - PAGE for (a, n), (b, _) in itertools.pairwise(mine))
+            assert all(a + n <= sizes[file] for a, n in mine)
+        read: list[tuple[int, int, int]] = []
+        cost = measure_seek_cost(fds, plan, read=read)
+        assert cost.seeks >= MIN_SEEKS
+        assert 0 < cost.seek_cost < 64 * MiB
+        for file, fd in enumerate(fds):
+            mine = [(a, b) for f, a, b in read if f == file]
+            expected = sum(b - a for a, b in mine) + (4 * MiB if file == 1 else 0)
+            assert resident_bytes(fd, 0, sizes[file]) == expected
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_pages_warmed_after_planning_are_not_timed_as_storage(tmp_path: Path) -> None:
     fd = _open(cold_file(tmp_path / "shard.bin", MIN_FILE_BYTES + 32 * MiB))
     try:
-        plan = plan_seek_measurement(fd, MIN_FILE_BYTES + 32 * MiB)
-        warmed = plan.seeks[::2]  # someone reads half the seek places meanwhile
+        plan = plan_seek_measurement([(fd, MIN_FILE_BYTES + 32 * MiB)])
+        warmed = [at.offset for at in plan.seeks[::2]]  # someone reads half of them meanwhile
         for at in warmed:
             os.pread(fd, PAGE, at)
-        read: list[tuple[int, int]] = []
-        cost = measure_seek_cost(fd, plan, read=read)
-        assert not {a for a, _ in read[2:]} & set(warmed)
+        read: list[tuple[int, int, int]] = []
+        cost = measure_seek_cost([fd], plan, read=read)
+        assert not {a for _, a, _ in read[2:]} & set(warmed)
         assert cost.seeks == len(read) - 2
-        os.pread(fd, PAGE, plan.long_at)  # and the window: no figure at all
+        os.pread(fd, PAGE, plan.long.offset)  # and the window: no figure at all
         with pytest.raises(MeasureStopped) as stopped:
-            measure_seek_cost(fd, plan)
+            measure_seek_cost([fd], plan)
         assert not stopped.value.retry
     finally:
         os.close(fd)
@@ -92,7 +127,7 @@ def test_a_sparse_or_warm_file_has_nothing_to_measure(tmp_path: Path) -> None:
         try:
             os.pread(fd, MIN_FILE_BYTES * 2, 0)
             with pytest.raises(MeasureStopped) as stopped:
-                plan_seek_measurement(fd, MIN_FILE_BYTES * 2)
+                plan_seek_measurement([(fd, MIN_FILE_BYTES * 2)])
             assert not stopped.value.retry
         finally:
             os.close(fd)
@@ -111,11 +146,11 @@ def test_a_huge_file_is_searched_a_bounded_amount(tmp_path: Path) -> None:
     fd, big = _open(huge), os.open(allocated, os.O_RDONLY)
     try:
         started = time.monotonic()
-        with pytest.raises(MeasureStopped, match="allocated"):  # mostly hole: not even looked at
-            plan_seek_measurement(fd, size)
+        with pytest.raises(MeasureStopped, match="0 cold windows"):  # mostly hole: not looked at
+            plan_seek_measurement([(fd, size)])
         # A file whose allocation passes is still searched at most MAX_CHECKED slots.
-        with pytest.raises(MeasureStopped, match=f"last {MAX_CHECKED} slots"):
-            plan_seek_measurement(big, size)  # told a huge size: its tail is past the end
+        with pytest.raises(MeasureStopped, match="0 cold windows"):
+            plan_seek_measurement([(big, size)])  # told a huge size: its tail is past the end
         assert time.monotonic() - started < 30
     finally:
         os.close(fd)
@@ -131,9 +166,9 @@ def test_a_request_stops_it_between_reads(tmp_path: Path) -> None:
         return len(asked) > 1  # a request arrives during the first window's read
 
     try:
-        plan = plan_seek_measurement(fd, MIN_FILE_BYTES)
+        plan = plan_seek_measurement([(fd, MIN_FILE_BYTES)])
         with pytest.raises(MeasureStopped) as stopped:
-            measure_seek_cost(fd, plan, busy=busy, chunk_bytes=8 * MiB)
+            measure_seek_cost([fd], plan, busy=busy, chunk_bytes=8 * MiB)
         assert stopped.value.retry
         assert resident_bytes(fd, 0, MIN_FILE_BYTES) == 8 * MiB  # one chunk, then nothing
     finally:

@@ -7,25 +7,28 @@ apart) on a file a request named, so nobody has to. Its reads during a load cann
 the figure: with eight operations in flight, the fixed cost of each is mostly queueing.
 
 So (:class:`SeekProber`), when no request has been live for two ticks, it takes the
-largest file (``MIN_FILE_BYTES`` or more) a request named on a mount with no figure yet,
-or one older than ``MAX_AGE_S``, and measures on places of it that are cold and
-allocated, through a fresh descriptor of its own, alone, on a thread at a lower CPU
-priority; the ``MAX_PER_MOUNT`` largest files a mount's requests named are kept and
-tried in turn, since the load may have read one all over. A request arriving stops the
-probe between reads; the mount is probed at the next idle moment. What it read is
-dropped from the page cache afterwards, unless a live request names the file by then.
+files a request named on a mount with no figure yet, or one older than ``MAX_AGE_S`` (the
+``MAX_PER_MOUNT`` largest, ``MIN_PLACE_BYTES`` or more each), and measures on places of
+them that are cold and allocated: the windows in the largest files with room for them,
+the seeks wherever they are left (one large shard, or a DCP directory of small ones).
+Each file is read through a fresh descriptor of its own, alone, on a thread at a lower
+CPU priority. A request arriving stops the probe between reads; the mount is probed at
+the next idle moment. What it read is dropped from the page cache afterwards, unless a
+live request names the file by then.
 
-What a user can do to it: a file that gives no figure (nothing cold left, having been
-read whole by the load, say; failing; changing under the probe) leaves its mount to the
-next large file a request names, and is not tried again; after ``MAX_FAILED_PER_UID``
-such files named by one user's requests, that user's files are not offered any more, and
-one user's requests hold at most ``MAX_WAITING_PER_UID`` of the waiting files. A probe
-that does not return (hung storage, a user's own FUSE server) is given up after
-``PROBE_TIMEOUT_S``: its mount is not probed again until the daemon restarts, and a user
-whose requests named ``MAX_STUCK_PER_UID`` such files gets no more probes of its files
-(the thread of each is lost). Places are checked cold again just before each read, so
-pages warmed meanwhile are not timed as storage; a figure is re-measured after
-``MAX_AGE_S``, and deleting the mount's entry from ``devices.json`` (daemon stopped) or
+What a user can do to it: files that give no figure (nothing cold left, having been
+read whole by the load, say) leave their mount to the next files a request names, and a
+file that fails or changes under the probe is left out of the next try; neither is tried
+again; after ``MAX_FAILED_PER_UID`` such files named by one user's requests, that user's
+files are not offered any more, and one user's requests hold at most
+``MAX_WAITING_PER_UID`` of the waiting files. A probe that does not return (hung
+storage, a user's own FUSE server) is given up after ``PROBE_TIMEOUT_S``: its mount is
+not probed again until the daemon restarts, and a user whose requests named
+``MAX_STUCK_PER_UID`` such files gets no more probes of its files (the thread of each is
+lost; the file being read then is the one to blame, or all of the probe's while it was
+still looking for places). Places are checked cold again just before each read, so pages
+warmed meanwhile are not timed as storage; a figure is re-measured after ``MAX_AGE_S``,
+and deleting the mount's entry from ``devices.json`` (daemon stopped) or
 ``--seek-cost`` replaces it.
 """
 
@@ -43,8 +46,10 @@ from dataclasses import dataclass, field
 from spanwarm.daemon.admission import FileIdentity, OpenFile
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput, mount_name
+from spanwarm.errors import FileChangedError
 from spanwarm.seek_cost import (
-    MIN_FILE_BYTES,
+    MIN_PLACE_BYTES,
+    FileFailed,
     MeasureStopped,
     SeekCost,
     measure_seek_cost,
@@ -59,7 +64,7 @@ PROBE_TIMEOUT_S = 120.0  # a probe still running then is stuck in the storage
 IDLE_TICKS = 2  # ticks with no live request before a probe starts
 MAX_AGE_S = 7 * 86400.0  # a figure older than a week is measured again
 MAX_CANDIDATES = 32  # files waiting for a probe, each holding one descriptor
-MAX_PER_MOUNT = 8  # the largest files of a mount: tried in turn until one gives a figure
+MAX_PER_MOUNT = 8  # the largest files of a mount: probed together
 CANDIDATE_TTL_S = 600.0  # a candidate not probed by then lets its descriptor go
 MAX_STUCK_PER_UID = 2  # probes of a user's files lost in hung storage: no more for it
 MAX_FAILED_PER_UID = 16  # a user's files that gave no figure: no more for it
@@ -73,9 +78,18 @@ class _Candidate:
     mount: str
     uid: int  # whose request named it
     offered: float = field(default_factory=time.monotonic)
-    read: list[tuple[int, int]] = field(default_factory=list)  # what the probe read
-    started: float = 0.0
-    future: Future[SeekCost] | None = None
+
+
+@dataclass
+class _Probe:
+    """One mount's files, measured together on the probe's thread."""
+
+    files: list[_Candidate]
+    future: Future[SeekCost]
+    started: float = field(default_factory=time.monotonic)
+    # (file index, start, stop), appended by the thread before each read: what to drop
+    # afterwards, and which file a stuck read is in.
+    read: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _key(item: OpenFile | _Candidate) -> tuple[int, int]:
@@ -99,7 +113,7 @@ class SeekProber:
         self._chunk = chunk
         self._close = close
         self._waiting: list[_Candidate] = []  # largest first
-        self._running: _Candidate | None = None
+        self._running: _Probe | None = None
         self._done: set[str] = set()  # probed, or given up on, this run
         self._tried: set[tuple[int, int]] = set()  # (st_dev, st_ino) that gave no figure
         self._stuck: collections.Counter[int] = collections.Counter()  # per uid
@@ -116,7 +130,7 @@ class SeekProber:
         """A request of ``uid`` names ``file``: kept to probe its mount on, if the mount
         needs a figure, among its ``MAX_PER_MOUNT`` largest files (and if mincore can be
         believed there: the places must be found cold)."""
-        if file.size < MIN_FILE_BYTES or not file.trusted or file.failed:
+        if file.size < MIN_PLACE_BYTES or not file.trusted or file.failed:
             return
         if self._stuck[uid] >= MAX_STUCK_PER_UID or self._failed[uid] >= MAX_FAILED_PER_UID:
             return
@@ -125,7 +139,7 @@ class SeekProber:
         mount = self._learned.name(file.identity.device)
         if mount in self._done or not self._wants(file.identity.device):
             return
-        running = [] if self._running is None else [self._running]
+        running = [] if self._running is None else self._running.files
         if any(_key(c) == _key(file) for c in (*self._waiting, *running)):
             return
         # Full (per mount, per user, or in all): a larger file takes the place of the
@@ -164,7 +178,7 @@ class SeekProber:
             if now - candidate.offered > CANDIDATE_TTL_S:  # the node was busy all along
                 self._drop(candidate)
         running = self._running
-        if running is not None and running.future is not None:
+        if running is not None:
             if running.future.done():
                 self._finish(running, wanted)
             elif now - running.started > PROBE_TIMEOUT_S:
@@ -173,96 +187,130 @@ class SeekProber:
         self._idle_ticks = self._idle_ticks + 1 if idle else 0
         if self._idle_ticks < IDLE_TICKS or not self._waiting:
             return
-        candidate = self._waiting[0]
-        candidate.started = now
-        candidate.future = self._pool.submit(self._probe, candidate, busy)
-        self._waiting.pop(0)
-        self._running = candidate
+        mount = self._waiting[0].mount
+        files = [c for c in self._waiting if c.mount == mount][:MAX_PER_MOUNT]
+        for candidate in files:
+            self._waiting.remove(candidate)
+        read: list[tuple[int, int, int]] = []
+        future = self._pool.submit(self._probe, files, read, busy)
+        self._running = _Probe(files, future, read=read)
 
-    def _probe(self, candidate: _Candidate, busy: Callable[[], bool]) -> SeekCost:
-        """In the probe's thread: find the places (one mincore pass and a bounded number
-        of SEEK_HOLE calls), then measure, through one fresh descriptor."""
-        file = candidate.file
-        with file.stream() as fd:
-            plan = plan_seek_measurement(fd, file.size, busy=busy)
-            return measure_seek_cost(
-                fd, plan, busy=busy, chunk_bytes=self._chunk, read=candidate.read
-            )
+    def _probe(
+        self, files: list[_Candidate], read: list[tuple[int, int, int]], busy: Callable[[], bool]
+    ) -> SeekCost:
+        """In the probe's thread: find the places (one mincore pass per file and a bounded
+        number of SEEK_HOLE calls), then measure, through one fresh descriptor per file."""
+        with contextlib.ExitStack() as streams:
+            fds = []
+            for index, candidate in enumerate(files):
+                try:
+                    fds.append(streams.enter_context(candidate.file.stream()))
+                except (OSError, FileChangedError) as exc:
+                    raise FileFailed(index, 0, exc) from exc
+            sizes = [c.file.size for c in files]
+            plan = plan_seek_measurement(list(zip(fds, sizes, strict=True)), busy=busy)
+            return measure_seek_cost(fds, plan, busy=busy, chunk_bytes=self._chunk, read=read)
 
-    def _give_up(self, running: _Candidate) -> None:
+    def _give_up(self, running: _Probe) -> None:
         """A probe stuck in the storage: its thread is lost, its mount not probed again
-        this run, and its user's stuck count goes up; a new thread takes the next one."""
+        this run, and the stuck count of the user whose file it is stuck in goes up (of
+        each whose files it was still looking at, before its first read); a new thread
+        takes the next one."""
+        stuck = [running.files[running.read[-1][0]]] if running.read else running.files
+        mount = running.files[0].mount
         logger.warning(
-            "seek cost probe of %s has not returned in %.0f s: %s is not probed again",
-            running.file.path,
+            "seek cost probe of %s has not returned in %.0f s (in %s): %s is not probed again",
+            mount,
             PROBE_TIMEOUT_S,
-            running.mount,
+            ", ".join(c.file.path for c in stuck),
+            mount,
         )
         self._running = None
-        assert running.future is not None
-        running.future.add_done_callback(lambda _: self._close(running.file.fd))
-        self._stuck[running.uid] += 1
-        if mount_name(running.file.identity.device) == running.mount:  # not a reused number
-            self._done.add(running.mount)
+        running.future.add_done_callback(lambda _: self._close_all(running.files))
+        for candidate in stuck:
+            self._stuck[candidate.uid] += 1
+        if mount_name(running.files[0].file.identity.device) == mount:  # not a reused number
+            self._done.add(mount)
         for candidate in list(self._waiting):  # the mount's other files; a stuck user's
             if candidate.mount in self._done or self._stuck[candidate.uid] >= MAX_STUCK_PER_UID:
                 self._drop(candidate)
         self._pool.grow_to(sum(self._stuck.values()) + 1)
 
-    def _finish(self, candidate: _Candidate, wanted: Callable[[FileIdentity], bool]) -> None:
+    def _finish(self, running: _Probe, wanted: Callable[[FileIdentity], bool]) -> None:
         self._running = None
         self._idle_ticks = 0  # the next probe waits for idle ticks of its own
-        file = candidate.file
-        assert candidate.future is not None
+        files, mount = running.files, running.files[0].mount
+        again: list[_Candidate] = []  # back to waiting for the next idle moment
         try:
-            result = candidate.future.result()
+            result = running.future.result()
         except MeasureStopped as exc:
             if exc.retry:  # a request came: the mount waits for the next idle moment
-                candidate.offered = time.monotonic()
-                self._waiting.append(candidate)
-                self._waiting.sort(key=lambda c: -c.file.size)
-                if len(self._waiting) > MAX_CANDIDATES:  # offered meanwhile: the smallest goes
-                    self._drop(self._waiting[-1])
-            else:  # nothing cold here (a file read whole, say): another file may do
-                logger.info("seek cost of %s not probed on %s: %s", candidate.mount, file.path, exc)
-                self._try_elsewhere(candidate)
-        except Exception as exc:  # a failing or changing file: another file may do
+                again = files
+            else:  # nothing cold enough here (files read whole, say): others may do
+                logger.info(
+                    "seek cost of %s not probed on %s: %s",
+                    mount,
+                    ", ".join(c.file.path for c in files),
+                    exc,
+                )
+                for candidate in files:
+                    self._try_elsewhere(candidate)
+        except FileFailed as exc:  # that file failed or changed: the others may do
+            culprit = files[exc.index]
             logger.warning(
-                "seek cost probe of %s on %s failed: %s", candidate.mount, file.path, exc
+                "seek cost probe of %s on %s failed: %s", mount, culprit.file.path, exc.__cause__
             )
-            self._try_elsewhere(candidate)
+            self._try_elsewhere(culprit)
+            again = [c for c in files if c is not culprit]
+        except Exception as exc:  # nothing to tell which file: none of them again
+            logger.warning("seek cost probe of %s failed: %s", mount, exc)
+            for candidate in files:
+                self._try_elsewhere(candidate)
         else:
-            self._learn(candidate, result)
-        if not wanted(file.identity):  # what the probe read, nobody asked for
-            with contextlib.suppress(OSError):
-                for start, stop in candidate.read:
+            self._learn(running, result)
+        for index, start, stop in running.read:
+            file = files[index].file
+            if not wanted(file.identity):  # what the probe read, nobody asked for
+                with contextlib.suppress(OSError):
                     os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
-        candidate.read = []
-        if candidate not in self._waiting:
-            self._close(file.fd)
+        for candidate in again:
+            candidate.offered = time.monotonic()
+        self._waiting.extend(again)
+        self._waiting.sort(key=lambda c: -c.file.size)
+        overflow = self._waiting[MAX_CANDIDATES:]  # offered meanwhile: the smallest go
+        del self._waiting[MAX_CANDIDATES:]
+        leaving = {id(c): c for c in (*files, *overflow)}  # each closed once
+        for candidate in self._waiting:
+            leaving.pop(id(candidate), None)
+        self._close_all(list(leaving.values()))
 
-    def _learn(self, candidate: _Candidate, result: SeekCost) -> None:
-        file = candidate.file
-        if mount_name(file.identity.device) != candidate.mount:  # its device number reused
-            logger.warning("%s is no longer mounted: its seek cost is not kept", candidate.mount)
+    def _learn(self, running: _Probe, result: SeekCost) -> None:
+        first = running.files[0]
+        if mount_name(first.file.identity.device) != first.mount:  # its device number reused
+            logger.warning("%s is no longer mounted: its seek cost is not kept", first.mount)
             return
         self._learned.learn_seek_cost(
-            file.identity.device, result.seek_cost, result.window_bytes_per_s
+            first.file.identity.device, result.seek_cost, result.window_bytes_per_s
         )
         for other in list(self._waiting):  # the mount's other files: not needed now
-            if other.mount == candidate.mount:
+            if other.mount == first.mount:
                 self._drop(other)
+        paths = dict.fromkeys(running.files[index].file.path for index, _, _ in running.read)
         logger.info(
             "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
             "one stream %.1f MiB/s, %.3f MiB/s over the long window)",
-            candidate.mount,
+            first.mount,
             result.seek_cost,
-            file.path,
+            ", ".join(paths),
             result.seek_s * 1e3,
             result.seeks,
             result.stream_bytes_per_s / 2**20,
             result.window_bytes_per_s / 2**20,
         )
+
+    def _close_all(self, files: list[_Candidate]) -> None:
+        for candidate in files:
+            self._close(candidate.file.fd)
 
     def _drop(self, candidate: _Candidate) -> None:
         self._waiting.remove(candidate)
@@ -280,8 +328,8 @@ class SeekProber:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         running = self._running
-        if running is not None and running.future is not None:
-            running.future.add_done_callback(lambda _: self._close(running.file.fd))
+        if running is not None:
+            running.future.add_done_callback(lambda _: self._close_all(running.files))
         self._running = None
         for candidate in list(self._waiting):
             self._drop(candidate)

@@ -30,6 +30,8 @@ from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
 from spanwarm.residency import evict
 from spanwarm.seek_cost import (
     MIN_FILE_BYTES,
+    FileFailed,
+    MeasureStopped,
     SeekCost,
     measure_seek_cost,
     plan_seek_measurement,
@@ -111,6 +113,10 @@ def measure_seek(path: str) -> SeekCost:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         size = os.fstat(fd).st_size
         return measure_seek_cost([fd], plan_seek_measurement([(fd, size)]), chunk_bytes=CHUNK)
+    except FileFailed as exc:
+        raise RuntimeError(f"{path} at offset {exc.offset}: {exc.reason}") from exc
+    except MeasureStopped as exc:
+        raise RuntimeError(f"{path}: {exc}") from exc
     finally:
         os.close(fd)
 

@@ -19,7 +19,8 @@ full latency for every jump past its window.
 
 The places may lie in several files of one mount (a checkpoint of many small shards, a
 DCP directory written by many ranks): the windows in the first files with room for them,
-24 and 8 MiB where there is, else 12 and 4 MiB; the seeks anywhere after them.
+24 and 8 MiB where that leaves enough places to seek to, else 12 and 4 MiB; the seeks in
+whatever slots are left.
 
 Used by ``spanwarm calibrate`` (one file, evicted first) and by the daemon's probe
 (places found cold, and a request arriving stops it: ``busy``).
@@ -81,7 +82,7 @@ class FileFailed(RuntimeError):
 
     def __init__(self, index: int, offset: int, exc: Exception) -> None:
         super().__init__(f"file {index} at offset {offset}: {exc}")
-        self.index = index
+        self.index, self.offset, self.reason = index, offset, exc
 
 
 @dataclass(frozen=True)
@@ -116,17 +117,21 @@ class SeekCost:
 
 class _ColdFile:
     """Where in one file a place may go: cold, allocated, a slot clear of the places
-    taken there already. One mincore pass over the part looked at (windows reach past
-    their slot), not one per place tried: a file the load left resident is searched in
+    taken there already. One mincore pass over the slots looked at (windows reach past
+    their slot), and at most one SEEK_DATA/SEEK_HOLE pair per slot, whatever is tried
+    there: a file the load left resident, or a huge sparse one, is searched in
     milliseconds."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, budget: int) -> None:
         self.fd, self.size = fd, size
         self.taken: list[tuple[int, int]] = []
-        if size < MIN_PLACE_BYTES or os.fstat(fd).st_blocks * 512 < MIN_PLACE_BYTES:
-            self.slots: Sequence[int] = ()  # too small, or mostly hole: reads cost no I/O
+        self._data: dict[int, bool] = {}  # slot start: no hole in it
+        self.slots: Sequence[int] = ()
+        if budget <= 0 or size < MIN_PLACE_BYTES:
             return
-        self.slots = range((size // SLOT - 1) * SLOT, -1, -SLOT)[:MAX_CHECKED]
+        if os.fstat(fd).st_blocks * 512 < MIN_PLACE_BYTES:  # mostly hole: reads cost no I/O
+            return
+        self.slots = range((size // SLOT - 1) * SLOT, -1, -SLOT)[:budget]
         bits = resident_pages(fd, self.slots[-1], size - self.slots[-1])
         # Element i: how many of the first i pages from the last slot on are resident.
         self._resident = np.concatenate(([0], np.cumsum(bits, dtype=np.int64)))
@@ -138,68 +143,86 @@ class _ColdFile:
             return False
         base = self.slots[-1]
         first, last = (start - base) // PAGE, (start + length - base - 1) // PAGE
-        cold = self._resident[last + 1] == self._resident[first]
-        return bool(cold) and _all_data(self.fd, start, start + length)
+        if self._resident[last + 1] != self._resident[first]:
+            return False
+        return all(self._all_data(slot) for slot in range(start, start + length, SLOT))
 
-    def take(self, length: int) -> int | None:
-        """The last usable place of ``length`` bytes (a load reads from the front)."""
-        for start in self.slots:
-            if self.usable(start, length):
-                self.taken.append((start, start + length))
-                return start
-        return None
+    def _all_data(self, slot: int) -> bool:
+        if slot not in self._data:
+            self._data[slot] = _all_data(self.fd, slot, min(slot + SLOT, self.size))
+        return self._data[slot]
 
 
 def plan_seek_measurement(
-    files: Sequence[tuple[int, int]], *, busy: Callable[[], bool] = lambda: False
+    files: Sequence[tuple[int, int]],
+    *,
+    busy: Callable[[], bool] = lambda: False,
+    touch: Callable[[int], object] = lambda index: None,
 ) -> SeekPlan:
     """Cold, allocated places in the open files ``files`` (descriptor, size) of one mount:
     two windows, then up to ``MAX_SEEKS`` pages one slot apart, each file searched from
-    the end back, at most ``MAX_CHECKED`` slots of it. Raises :class:`MeasureStopped`
-    when there are too few, or when ``busy()`` says so; :class:`FileFailed` when a file
-    cannot be looked at."""
+    the end back, ``MAX_CHECKED`` slots in all (the larger files first). The larger
+    windows where they leave enough places to seek to, else the smaller. Raises
+    :class:`MeasureStopped` when there are too few, or when ``busy()`` says so;
+    :class:`FileFailed` when a file cannot be looked at. ``touch(index)`` is called
+    before each file is looked at (to know which one a stuck call is in)."""
     cold: list[_ColdFile] = []
+    budget = MAX_CHECKED
     for index, (fd, size) in enumerate(files):
         if busy():
             raise MeasureStopped("a request arrived", retry=True)
+        touch(index)
         try:
-            cold.append(_ColdFile(fd, size))
+            cold.append(_ColdFile(fd, size, budget))
         except OSError as exc:
             raise FileFailed(index, 0, exc) from exc
-    windows: list[Place] = []
+        budget -= len(cold[-1].slots)
+    found = ""
     for long_bytes, short_bytes in WINDOWS:
         for item in cold:
             item.taken.clear()
-        windows = []
-        for length in (long_bytes, short_bytes):
-            place = _take(cold, length)
-            if place is not None:
-                windows.append(place)
-        if len(windows) == 2:
-            break
-    seeks: list[Place] = []
-    for index, item in enumerate(cold):
-        for start in item.slots:
-            if len(seeks) == MAX_SEEKS:
-                break
-            if busy():
-                raise MeasureStopped("a request arrived", retry=True)
-            if item.usable(start, PAGE):  # slots: each a slot past the one before
-                seeks.append(Place(index, start))
-    if len(windows) < 2 or len(seeks) < MIN_SEEKS:
-        raise MeasureStopped(
-            f"{len(windows)} cold windows and {len(seeks)} cold places to seek to in "
-            f"{len(files)} files; 2 and {MIN_SEEKS} needed"
-        )
-    long, short = windows
-    return SeekPlan(long, short, long_bytes, short_bytes, tuple(seeks))
+        windows = [_take(cold, n, busy, touch) for n in (long_bytes, short_bytes)]
+        seeks: list[Place] = []
+        for index, item in enumerate(cold):
+            for start in item.slots:
+                if len(seeks) == MAX_SEEKS:
+                    break
+                if _usable(cold, index, start, PAGE, busy, touch):  # a slot past the last
+                    seeks.append(Place(index, start))
+        long, short = windows
+        if long is not None and short is not None and len(seeks) >= MIN_SEEKS:
+            return SeekPlan(long, short, long_bytes, short_bytes, tuple(seeks))
+        found = f"{2 - windows.count(None)} cold windows and {len(seeks)} cold places to seek to"
+    raise MeasureStopped(f"{found} in {len(files)} files; 2 and {MIN_SEEKS} needed")
 
 
-def _take(cold: Sequence[_ColdFile], length: int) -> Place | None:
+def _usable(
+    cold: Sequence[_ColdFile],
+    index: int,
+    start: int,
+    length: int,
+    busy: Callable[[], bool],
+    touch: Callable[[int], object],
+) -> bool:
+    if busy():
+        raise MeasureStopped("a request arrived", retry=True)
+    touch(index)
+    try:
+        return cold[index].usable(start, length)
+    except OSError as exc:  # fstat or SEEK_DATA of a failing file
+        raise FileFailed(index, start, exc) from exc
+
+
+def _take(
+    cold: Sequence[_ColdFile],
+    length: int,
+    busy: Callable[[], bool],
+    touch: Callable[[int], object],
+) -> Place | None:
     """A place of ``length`` bytes in the first file that has one."""
     for index, item in enumerate(cold):
         for start in item.slots:
-            if item.usable(start, length):
+            if _usable(cold, index, start, length, busy, touch):
                 item.taken.append((start, start + length))
                 return Place(index, start)
     return None
@@ -222,18 +245,21 @@ def measure_seek_cost(
     busy: Callable[[], bool] = lambda: False,
     chunk_bytes: int = CHUNK,
     read: list[tuple[int, int, int]] | None = None,
+    touch: Callable[[int], object] = lambda index: None,
 ) -> SeekCost:
     """Read what ``plan`` names through ``fds`` (one stream each, the files it was planned
     on; the caller sets ``POSIX_FADV_RANDOM``) and price a seek. Each place is checked
-    cold again just before it is read: a window found resident stops the measurement, a
-    seek place is passed over (someone read it meanwhile: it would time memory).
-    ``busy()`` is asked before every read; when it says so, :class:`MeasureStopped`
-    (``retry``) ends the measurement. What was read is appended to ``read`` as (file,
-    start, stop) before it is read (for dropping it afterwards, and to name the file a
-    read is stuck in); a read that fails raises :class:`FileFailed`."""
+    cold again just before it is read: a seek place found resident is passed over
+    (someone read it meanwhile: it would time memory). ``busy()`` is asked before every
+    read; when it says so, :class:`MeasureStopped` (``retry``) ends the measurement. What
+    was read is appended to ``read`` as (file, start, stop) before it is read (for
+    dropping it afterwards); ``touch(index)`` is called before each file is looked at
+    (to know which one a stuck call is in). A read that fails, a file that ends early or
+    a window found resident raises :class:`FileFailed` for that file."""
     done = [] if read is None else read
 
     def resident(place: Place, length: int) -> int:
+        touch(place.file)
         try:
             return resident_bytes(fds[place.file], place.offset, length)
         except OSError as exc:
@@ -242,19 +268,21 @@ def measure_seek_cost(
     def timed(place: Place, length: int) -> float:
         if busy():
             raise MeasureStopped("a request arrived", retry=True)
+        touch(place.file)
         done.append((place.file, place.offset, place.offset + length))
         try:
             return _read(fds[place.file], place.offset, length, chunk_bytes, busy)
         except OSError as exc:
             raise FileFailed(place.file, place.offset, exc) from exc
+        except MeasureStopped as exc:
+            if exc.retry:
+                raise
+            raise FileFailed(place.file, place.offset, exc) from exc  # it shrank
 
-    windows = ((plan.long, plan.long_bytes), (plan.short, plan.short_bytes))
-    for place, length in windows:
+    for place, length in ((plan.long, plan.long_bytes), (plan.short, plan.short_bytes)):
         if resident(place, length):
-            raise MeasureStopped(
-                f"the window at {place.offset} of file {place.file} was read by someone "
-                "else meanwhile"
-            )
+            warmed = MeasureStopped("read by someone else since the plan")
+            raise FileFailed(place.file, place.offset, warmed)
     long_s = timed(plan.long, plan.long_bytes)
     short_s = timed(plan.short, plan.short_bytes)
     extra_s, extra_bytes = long_s - short_s, plan.long_bytes - plan.short_bytes

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -14,11 +13,13 @@ import pytest
 from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.seek_cost import (
     LONG_BYTES,
+    MAX_CHECKED,
     MIN_FILE_BYTES,
     MIN_SEEKS,
     SHORT_BYTES,
     SLOT,
     WINDOWS,
+    FileFailed,
     MeasureStopped,
     Place,
     measure_seek_cost,
@@ -89,10 +90,13 @@ def test_a_mounts_small_files_are_measured_together(tmp_path: Path) -> None:
         cost = measure_seek_cost(fds, plan, read=read)
         assert cost.seeks >= MIN_SEEKS
         assert 0 < cost.seek_cost < 64 * MiB
-        for file, fd in enumerate(fds):
-            mine = [(a, b) for f, a, b in read if f == file]
-            expected = sum(b - a for a, b in mine) + (4 * MiB if file == 1 else 0)
-            assert resident_bytes(fd, 0, sizes[file]) == expected
+        for file, fd in enumerate(fds):  # nothing but those places was read
+            mine = sorted(
+                [(a, b) for f, a, b in read if f == file] + [(16 * MiB, 20 * MiB)] * (file == 1)
+            )
+            edges = [0, *(x for a, b in mine for x in (a, b)), sizes[file]]
+            for start, stop in zip(edges[::2], edges[1::2], strict=True):
+                assert resident_bytes(fd, start, stop - start) == 0
     finally:
         for fd in fds:
             os.close(fd)
@@ -109,10 +113,10 @@ def test_pages_warmed_after_planning_are_not_timed_as_storage(tmp_path: Path) ->
         cost = measure_seek_cost([fd], plan, read=read)
         assert not {a for _, a, _ in read[2:]} & set(warmed)
         assert cost.seeks == len(read) - 2
-        os.pread(fd, PAGE, plan.long.offset)  # and the window: no figure at all
-        with pytest.raises(MeasureStopped) as stopped:
+        os.pread(fd, PAGE, plan.long.offset)  # and the window: not this file again
+        with pytest.raises(FileFailed) as failed:
             measure_seek_cost([fd], plan)
-        assert not stopped.value.retry
+        assert (failed.value.index, failed.value.offset) == (0, plan.long.offset)
     finally:
         os.close(fd)
 
@@ -133,28 +137,62 @@ def test_a_sparse_or_warm_file_has_nothing_to_measure(tmp_path: Path) -> None:
             os.close(fd)
 
 
-def test_a_huge_file_is_searched_a_bounded_amount(tmp_path: Path) -> None:
-    # 8 TiB with its data in a 4 MiB stretch near its end, and holes all around it.
-    huge = tmp_path / "huge.bin"
+def test_huge_sparse_files_are_searched_a_bounded_amount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 8 TiB each, with 12 MiB of data near the end and holes all around it: allocation
+    # enough to be looked at, and a SEEK_DATA search that could walk terabytes.
     size = 2**43
-    with open(huge, "wb") as f:
-        f.truncate(size)
-        f.seek(size - 64 * MiB)
-        f.write(os.urandom(4 * MiB))
-        f.truncate(size)
-    allocated = cold_file(tmp_path / "allocated.bin", MIN_FILE_BYTES)
-    fd, big = _open(huge), os.open(allocated, os.O_RDONLY)
+    fds = []
+    for i in range(8):
+        with open(tmp_path / f"huge{i}.bin", "wb") as f:
+            f.truncate(size)
+            f.seek(size - 64 * MiB)
+            f.write(os.urandom(12 * MiB))
+            f.truncate(size)
+        fds.append(_open(tmp_path / f"huge{i}.bin"))
+    calls = 0
+    lseek = os.lseek
+
+    def counted(fd: int, offset: int, whence: int) -> int:
+        nonlocal calls
+        calls += 1
+        return lseek(fd, offset, whence)
+
+    monkeypatch.setattr(os, "lseek", counted)
     try:
-        started = time.monotonic()
-        with pytest.raises(MeasureStopped, match="0 cold windows"):  # mostly hole: not looked at
-            plan_seek_measurement([(fd, size)])
-        # A file whose allocation passes is still searched at most MAX_CHECKED slots.
-        with pytest.raises(MeasureStopped, match="0 cold windows"):
-            plan_seek_measurement([(big, size)])  # told a huge size: its tail is past the end
-        assert time.monotonic() - started < 30
+        with pytest.raises(MeasureStopped, match="in 8 files"):
+            plan_seek_measurement([(fd, size) for fd in fds])
+        # One SEEK_DATA/SEEK_HOLE pair per slot at most, MAX_CHECKED slots in all.
+        assert 0 < calls <= 2 * MAX_CHECKED
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_file_that_shrinks_under_the_measurement_is_the_one_to_blame(tmp_path: Path) -> None:
+    paths = [cold_file(tmp_path / f"f{i}.bin", 40 * MiB, seed=i) for i in range(2)]
+    fds = [_open(path) for path in paths]
+    try:
+        plan = plan_seek_measurement([(fd, 40 * MiB) for fd in fds])
+        assert {at.file for at in plan.seeks} == {1}  # the windows fill the first file
+        os.truncate(paths[1], 2 * MiB)
+        with pytest.raises(FileFailed) as failed:
+            measure_seek_cost(fds, plan)
+        assert failed.value.index == 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_one_file_too_small_for_the_large_windows_takes_the_small_ones(tmp_path: Path) -> None:
+    fd = _open(cold_file(tmp_path / "shard.bin", 64 * MiB))
+    try:
+        plan = plan_seek_measurement([(fd, 64 * MiB)])
+        assert (plan.long_bytes, plan.short_bytes) == WINDOWS[1]
+        assert len(plan.seeks) >= MIN_SEEKS
     finally:
         os.close(fd)
-        os.close(big)
 
 
 def test_a_request_stops_it_between_reads(tmp_path: Path) -> None:

@@ -85,11 +85,14 @@ class _Probe:
     """One mount's files, measured together on the probe's thread."""
 
     files: list[_Candidate]
-    future: Future[SeekCost]
+    future: Future[SeekCost] = field(init=False)
     started: float = field(default_factory=time.monotonic)
     # (file index, start, stop), appended by the thread before each read: what to drop
-    # afterwards, and which file a stuck read is in.
+    # afterwards.
     read: list[tuple[int, int, int]] = field(default_factory=list)
+    # The file the thread is looking at, opening, reading or closing (set before each):
+    # the one a stuck call is in. None before it touched any.
+    touching: int | None = None
 
 
 def _key(item: OpenFile | _Candidate) -> tuple[int, int]:
@@ -103,7 +106,7 @@ class SeekProber:
 
     Driven from the event loop: :meth:`offer` as requests arrive, :meth:`tick` once a
     second. The probe itself runs on a thread of its own (at a lower CPU priority), and
-    touches nothing of this object but its candidate's ``read`` list.
+    touches nothing of this object but its :class:`_Probe`'s ``read`` and ``touching``.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class SeekProber:
         self._stuck: collections.Counter[int] = collections.Counter()  # per uid
         self._failed: collections.Counter[int] = collections.Counter()  # per uid
         self._idle_ticks = 0
+        self._lost = 0  # threads given up with their probe
         self._pool = DaemonThreadPool(1, "spanwarm-probe", nice=10)
 
     def _wants(self, device: int) -> bool:
@@ -140,18 +144,19 @@ class SeekProber:
         if mount in self._done or not self._wants(file.identity.device):
             return
         running = [] if self._running is None else self._running.files
-        if any(_key(c) == _key(file) for c in (*self._waiting, *running)):
+        held = [*self._waiting, *running]  # a probe's files come back if a request stops it
+        if any(_key(c) == _key(file) for c in held):
             return
         # Full (per mount, per user, or in all): a larger file takes the place of the
-        # smallest of the mount's, or else of the user's own; never of another user's
-        # files on other mounts.
+        # smallest waiting one of the mount's, or else of the user's own; never of another
+        # user's files on other mounts.
         same = [c for c in self._waiting if c.mount == mount]
         own = [c for c in self._waiting if c.uid == uid]
-        if len(same) >= MAX_PER_MOUNT:
+        if sum(c.mount == mount for c in held) >= MAX_PER_MOUNT:
             pool: list[_Candidate] | None = same
-        elif len(own) >= MAX_WAITING_PER_UID:
+        elif sum(c.uid == uid for c in held) >= MAX_WAITING_PER_UID:
             pool = own
-        elif len(self._waiting) >= MAX_CANDIDATES:
+        elif len(held) >= MAX_CANDIDATES:
             pool = own or same
         else:
             pool = None
@@ -191,38 +196,45 @@ class SeekProber:
         files = [c for c in self._waiting if c.mount == mount][:MAX_PER_MOUNT]
         for candidate in files:
             self._waiting.remove(candidate)
-        read: list[tuple[int, int, int]] = []
-        future = self._pool.submit(self._probe, files, read, busy)
-        self._running = _Probe(files, future, read=read)
+        probe = _Probe(files)
+        probe.future = self._pool.submit(self._probe, probe, busy)
+        self._running = probe
 
-    def _probe(
-        self, files: list[_Candidate], read: list[tuple[int, int, int]], busy: Callable[[], bool]
-    ) -> SeekCost:
+    def _probe(self, probe: _Probe, busy: Callable[[], bool]) -> SeekCost:
         """In the probe's thread: find the places (one mincore pass per file and a bounded
-        number of SEEK_HOLE calls), then measure, through one fresh descriptor per file."""
+        number of SEEK_HOLE calls), then measure, through one fresh descriptor per file.
+        Touches nothing of the prober but ``probe.read`` and ``probe.touching``."""
+
+        def touch(index: int) -> None:
+            probe.touching = index
+
         with contextlib.ExitStack() as streams:
             fds = []
-            for index, candidate in enumerate(files):
+            for index, candidate in enumerate(probe.files):
+                touch(index)
                 try:
                     fds.append(streams.enter_context(candidate.file.stream()))
                 except (OSError, FileChangedError) as exc:
                     raise FileFailed(index, 0, exc) from exc
-            sizes = [c.file.size for c in files]
-            plan = plan_seek_measurement(list(zip(fds, sizes, strict=True)), busy=busy)
-            return measure_seek_cost(fds, plan, busy=busy, chunk_bytes=self._chunk, read=read)
+                streams.callback(touch, index)  # closed next, on the way out
+            files = list(zip(fds, (c.file.size for c in probe.files), strict=True))
+            plan = plan_seek_measurement(files, busy=busy, touch=touch)
+            return measure_seek_cost(
+                fds, plan, busy=busy, chunk_bytes=self._chunk, read=probe.read, touch=touch
+            )
 
     def _give_up(self, running: _Probe) -> None:
         """A probe stuck in the storage: its thread is lost, its mount not probed again
-        this run, and the stuck count of the user whose file it is stuck in goes up (of
-        each whose files it was still looking at, before its first read); a new thread
-        takes the next one."""
-        stuck = [running.files[running.read[-1][0]]] if running.read else running.files
+        this run, and the stuck count of the user whose file it is stuck in goes up; a
+        new thread takes the next one."""
+        touching = running.touching
+        stuck = [] if touching is None else [running.files[touching]]
         mount = running.files[0].mount
         logger.warning(
             "seek cost probe of %s has not returned in %.0f s (in %s): %s is not probed again",
             mount,
             PROBE_TIMEOUT_S,
-            ", ".join(c.file.path for c in stuck),
+            ", ".join(c.file.path for c in stuck) or "no file yet",
             mount,
         )
         self._running = None
@@ -234,7 +246,8 @@ class SeekProber:
         for candidate in list(self._waiting):  # the mount's other files; a stuck user's
             if candidate.mount in self._done or self._stuck[candidate.uid] >= MAX_STUCK_PER_UID:
                 self._drop(candidate)
-        self._pool.grow_to(sum(self._stuck.values()) + 1)
+        self._lost += 1
+        self._pool.grow_to(self._lost + 1)
 
     def _finish(self, running: _Probe, wanted: Callable[[FileIdentity], bool]) -> None:
         self._running = None
@@ -258,7 +271,11 @@ class SeekProber:
         except FileFailed as exc:  # that file failed or changed: the others may do
             culprit = files[exc.index]
             logger.warning(
-                "seek cost probe of %s on %s failed: %s", mount, culprit.file.path, exc.__cause__
+                "seek cost probe of %s on %s failed at offset %d: %s",
+                mount,
+                culprit.file.path,
+                exc.offset,
+                exc.reason,
             )
             self._try_elsewhere(culprit)
             again = [c for c in files if c is not culprit]
@@ -273,16 +290,11 @@ class SeekProber:
             if not wanted(file.identity):  # what the probe read, nobody asked for
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
-        for candidate in again:
+        for candidate in again:  # offer() counted them while they ran: still in bounds
             candidate.offered = time.monotonic()
         self._waiting.extend(again)
         self._waiting.sort(key=lambda c: -c.file.size)
-        overflow = self._waiting[MAX_CANDIDATES:]  # offered meanwhile: the smallest go
-        del self._waiting[MAX_CANDIDATES:]
-        leaving = {id(c): c for c in (*files, *overflow)}  # each closed once
-        for candidate in self._waiting:
-            leaving.pop(id(candidate), None)
-        self._close_all(list(leaving.values()))
+        self._close_all([c for c in files if not any(c is a for a in again)])
 
     def _learn(self, running: _Probe, result: SeekCost) -> None:
         first = running.files[0]

@@ -3,7 +3,9 @@
 Residency comes from ``mincore(2)`` on a fresh shared mapping, which reports a page only
 once it is uptodate (``cachestat(2)`` also counts pages still being read). The kernel makes
 mincore report every page present unless the caller owns the file, may write it, or is
-privileged, so check :func:`residency_trusted` before believing it.
+privileged, so check :func:`residency_trusted` before believing it. Anyone who may read
+a file can still sample it (:func:`sampled_resident`): a one-byte read with
+``RWF_NOWAIT`` is answered from the page cache or refused, never from the storage.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "residency_trusted",
     "resident_bytes",
     "resident_pages",
+    "sampled_resident",
 ]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -106,6 +109,47 @@ def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
             b = np.clip(last[members] - window, 0, pages)
             missing[members] += (absent[b] - absent[a]) * PAGE
     return np.where(hi > lo, missing, 0)
+
+
+SAMPLE_STRIDE = 2 * 2**20  # sampled_resident looks at one page per this many bytes
+
+
+def sampled_resident(
+    fd: int, lo: np.ndarray, hi: np.ndarray, *, misses: int, samples: int
+) -> tuple[np.ndarray, int, int]:
+    """Per range ``[lo[i], hi[i])`` of open file ``fd``, in order: whether every page
+    looked at is in the page cache (the first and last page, and one every
+    ``SAMPLE_STRIDE`` between), by reading one byte of each with ``RWF_NOWAIT``. For files
+    whose mincore cannot be believed: any reader may do this.
+
+    A page found missing is read in by the kernel meanwhile (one page where ``fd`` has
+    ``POSIX_FADV_RANDOM``), so the search stops once ``misses`` pages were found missing
+    (a cold checkpoint shows after a few), or after ``samples`` reads in all; ranges not
+    looked at are not resident. Returns the per-range answer and what is left of both
+    budgets. Raises ``OSError`` where the file system refuses ``RWF_NOWAIT``."""
+    resident = np.zeros(len(lo), dtype=bool)
+    byte = bytearray(1)
+    for i, (start, stop) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
+        if misses <= 0 or samples <= 0:
+            break
+        if stop <= start:
+            continue
+        inner = range(start - start % PAGE + SAMPLE_STRIDE, stop - 1, SAMPLE_STRIDE)
+        places = [start, *inner, stop - 1] if stop - 1 > start else [start]
+        if len(places) > samples:
+            break  # not all of it can be looked at: the rest is not known resident
+        for at in places:
+            samples -= 1
+            try:
+                got = os.preadv(fd, [byte], at, os.RWF_NOWAIT)
+            except BlockingIOError:  # EAGAIN: not in the page cache
+                got = 0
+            if got != 1:  # missing (or past the end of the file)
+                misses -= 1
+                break
+        else:
+            resident[i] = True
+    return resident, misses, samples
 
 
 @functools.cache

@@ -144,6 +144,31 @@ def client_warm(args: dict[str, Any]) -> dict[str, Any]:
 
 
 @action
+def rank_load(args: dict[str, Any]) -> dict[str, Any]:
+    """As a rank loads (``read_yourself``): one tensor per (path, offset, length); how
+    each wait ended, what counted as resident and what the daemon was asked for."""
+    client = Client(args["socket"], stall_timeout=20)
+    spans = [
+        TensorSpans(f"t{i}", path, offset, length, length, 1)
+        for i, (path, offset, length) in enumerate(args["tensors"])
+    ]
+    ticket = client.request(spans, rank=0, job="user-job")
+    outcomes = [ticket.wait_for_read(s.tensor, timeout=30) for s in spans]
+    finished = ticket.wait(timeout=30)
+    progress = ticket.progress
+    out = {
+        "outcomes": outcomes,
+        "finished": finished,
+        "resident": progress.resident,
+        "ready": progress.ready,
+        "needed_bytes": sum(f["needed_bytes"] for f in ticket.plan),
+    }
+    ticket.cancel()
+    client.close()
+    return out
+
+
+@action
 def raw_warm(args: dict[str, Any]) -> dict[str, Any]:
     """Over the raw wire: by name with no token; then with a token for a file we may read
     but naming the secret; then passing an O_PATH descriptor of the secret."""

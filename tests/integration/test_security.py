@@ -320,6 +320,28 @@ def test_a_bind_mount_in_a_private_namespace_does_not_pass_the_allowed_roots(
     assert not result["token"]
 
 
+def test_a_user_who_may_only_read_a_checkpoint_still_skips_what_is_resident(
+    area: Area,
+) -> None:
+    """mincore lies to a user who may read but not write a file (every page present);
+    the rank samples the page cache instead: the resident tensor is read at once and
+    not asked for, the cold one goes to the daemon and is waited for."""
+    path = _write(area.allowed / "shared-ckpt.bin", 8 * 2**20, 0o644)  # root's, read-only
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        assert len(os.pread(fd, 4 * 2**20, 0)) == 4 * 2**20  # the first tensor resident
+    finally:
+        os.close(fd)
+    tensors = [(str(path), 0, 4 * 2**20), (str(path), 4 * 2**20, 4 * 2**20)]
+    with group_daemon(area) as daemon:
+        result = as_user(ALICE, "rank_load", socket=daemon.socket, tensors=tensors)
+    assert result["outcomes"] == ["read", "ready"]
+    assert result["finished"]
+    assert (result["resident"], result["ready"]) == (1, 1)
+    assert result["needed_bytes"] == 4 * 2**20  # only the cold tensor was asked for
+
+
 def test_a_socket_directory_root_gave_a_regular_user_is_refused(area: Area) -> None:
     directory = area.root / "squatter"
     directory.mkdir(mode=0o755)

@@ -11,6 +11,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from spanwarm.residency import (
     missing_bytes,
     residency_trusted,
     resident_bytes,
+    sampled_resident,
 )
 
 MiB = 2**20
@@ -208,10 +210,42 @@ def test_missing_bytes_counts_whole_pages_per_range(cold: tuple[Path, int]) -> N
     assert missing_bytes(fd, lo, hi).tolist() == [0, 0, PAGE, 0, PAGE + 200]
 
 
+def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]) -> None:
+    _, fd = cold
+    os.pread(fd, 4 * MiB, 0)  # the first 4 MiB resident (FADV_RANDOM: nothing more)
+    os.posix_fadvise(fd, 3 * MiB, PAGE, os.POSIX_FADV_DONTNEED)  # but one page of it
+    ranges = [
+        (0, MiB),  # resident
+        (MiB, 3 * MiB + 100),  # its last page missing
+        (2 * MiB + 5, 3 * MiB),  # resident, unaligned
+        (5 * MiB, 6 * MiB),  # cold
+        (6 * MiB, 7 * MiB),  # cold
+        (7 * MiB, 8 * MiB),  # cold, not looked at: the misses are spent
+    ]
+    lo = np.array([a for a, _ in ranges])
+    hi = np.array([b for _, b in ranges])
+    resident, misses, samples = sampled_resident(fd, lo, hi, misses=3, samples=100)
+    assert resident.tolist() == [True, False, True, False, False, False]
+    assert misses == 0
+    assert samples == 100 - (2 + 2 + 2 + 1 + 1)  # first, last and one per 2 MiB; a miss ends one
+    # A missing page is read in (one page each: FADV_RANDOM, in the background), and
+    # nothing else.
+    deadline = time.monotonic() + 5
+    while resident_bytes(fd, 5 * MiB, 3 * MiB) < 2 * PAGE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident_bytes(fd, 5 * MiB, 3 * MiB) == 2 * PAGE
+    assert resident_bytes(fd, 7 * MiB, MiB) == 0
+    # Out of reads: a range not looked at whole is not resident, and the search stops.
+    resident, _, samples = sampled_resident(fd, lo[:3], hi[:3], misses=3, samples=3)
+    assert resident.tolist() == [True, False, False]
+    assert samples == 1
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
-def test_a_rank_does_not_believe_mincore_it_cannot_trust(tmp_path: Path) -> None:
+def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
     """A shared read-only checkpoint: mincore tells a non-owner that every page is
-    present, so the client must count none of it as resident (or ranks would never wait)."""
+    present, so the client must not believe it (or ranks would never wait); it samples
+    pages with reads that only the page cache may answer instead."""
     from spanwarm.client.client import Ticket, _note_residency
     from spanwarm.rpc.v1 import warmer_pb2
 
@@ -243,7 +277,7 @@ def test_a_rank_does_not_believe_mincore_it_cannot_trust(tmp_path: Path) -> None
     try:
         # Cold (and mincore would have said "all present"), then read by that very child.
         assert as_nobody() == f"{64 * PAGE} 0"
-        assert as_nobody() == f"{64 * PAGE} 0"  # resident now, but nobody cannot know it
+        assert as_nobody() == f"{64 * PAGE} 1"  # resident now, and sampled as such
         ticket = Ticket(["a"], [64 * PAGE])
         _note_residency(ticket, request)
         assert ticket._resident.tolist() == [True]  # root can

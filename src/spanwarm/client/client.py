@@ -37,7 +37,7 @@ from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
-from spanwarm.residency import missing_bytes, residency_trusted
+from spanwarm.residency import missing_bytes, residency_trusted, sampled_resident
 from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["Client", "Progress", "Ticket", "message_dict"]
@@ -56,6 +56,10 @@ _RESIDENT_SLACK_SHARE = 8
 # Bytes of envelopes checked for residency per request (about 16M page lookups, tens of
 # milliseconds): past that, tensors count as not resident.
 _RESIDENCY_SCAN_BYTES = 64 * 2**30
+# Where mincore cannot be believed, pages are sampled instead (residency.sampled_resident):
+# at most this many one-byte reads per request (about 10 ms), and no more after this many
+# pages found missing (each one is read in: a cold checkpoint costs that many pages).
+_SAMPLED_READS, _SAMPLED_MISSES = 8192, 16
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 _OWN_SAMPLES, _OWN_BYTES = 4, 4 * 2**20  # own cold reads timed before they bound waits
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
@@ -732,7 +736,9 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     ``_RESIDENT_SLACK`` bytes, at most an eighth of them), mark them resident, and wake
     the waiters to look; returns that, per tensor.
     Where mincore cannot be believed (a file this process neither owns nor may write:
-    the kernel then says every page is present), nothing counts as resident."""
+    the kernel then says every page is present), pages of each envelope are sampled
+    instead, with reads that the page cache answers or refuses; there a tensor is
+    resident when every page looked at is."""
     file_index = np.asarray(request.file_index, dtype=np.int64)
     group_index = np.asarray(request.group_index, dtype=np.int64)
     offset = np.asarray(request.offset, dtype=np.int64)
@@ -748,6 +754,7 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     g, f = g[heads], f[heads]
     missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
     budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound the work
+    misses, samples = _SAMPLED_MISSES, _SAMPLED_READS
     for position, path in enumerate(request.files):
         mine = f == position
         if not mine.any():
@@ -762,6 +769,12 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
         try:
             if residency_trusted(fd):
                 missing[mine] = missing_bytes(fd, lo[mine], hi[mine])
+            elif misses > 0 and samples > 0:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a missing page: one page
+                sampled, misses, samples = sampled_resident(
+                    fd, lo[mine], hi[mine], misses=misses, samples=samples
+                )
+                missing[mine] = np.where(sampled, 0, missing[mine])
         except (OSError, ValueError):
             pass
         finally:

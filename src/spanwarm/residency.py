@@ -5,7 +5,8 @@ once it is uptodate (``cachestat(2)`` also counts pages still being read). The k
 mincore report every page present unless the caller owns the file, may write it, or is
 privileged, so check :func:`residency_trusted` before believing it. Anyone who may read
 a file can still sample it (:func:`sampled_resident`): a one-byte read with
-``RWF_NOWAIT`` is answered from the page cache or refused, never from the storage.
+``RWF_NOWAIT`` is answered from the page cache, or refused rather than wait for the
+storage.
 """
 
 from __future__ import annotations
@@ -112,25 +113,34 @@ def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 SAMPLE_STRIDE = 2 * 2**20  # sampled_resident looks at one page per this many bytes
+# A one-byte read the page cache answers takes microseconds; one slower than this went
+# to the storage or queued behind it (a cold page read inside the call, a busy device).
+SLOW_SAMPLE_S = 50e-6
 
 
 def sampled_resident(
-    fd: int, lo: np.ndarray, hi: np.ndarray, *, misses: int, samples: int
+    fd: int, lo: np.ndarray, hi: np.ndarray, *, misses: int, samples: int, deadline: float
 ) -> tuple[np.ndarray, int, int]:
-    """Per range ``[lo[i], hi[i])`` of open file ``fd``, in order: whether every page
-    looked at is in the page cache (the first and last page, and one every
+    """Per range ``[lo[i], hi[i])`` of open regular file ``fd``, in order: whether every
+    page looked at is in the page cache (the first and last page, and one every
     ``SAMPLE_STRIDE`` between), by reading one byte of each with ``RWF_NOWAIT``. For files
     whose mincore cannot be believed: any reader may do this.
 
-    A page found missing is read in by the kernel meanwhile (one page where ``fd`` has
-    ``POSIX_FADV_RANDOM``), so the search stops once ``misses`` pages were found missing
-    (a cold checkpoint shows after a few), or after ``samples`` reads in all; ranges not
-    looked at are not resident. Returns the per-range answer and what is left of both
-    budgets. Raises ``OSError`` where the file system refuses ``RWF_NOWAIT``."""
+    The kernel refuses such a read (``EAGAIN``) rather than wait for the storage, but it
+    starts reading the page in (one page where ``fd`` has ``POSIX_FADV_RANDOM``), and that
+    may queue behind a busy device, or even finish inside the call. So a page refused or
+    read slower than ``SLOW_SAMPLE_S`` counts as missing, and the search stops once
+    ``misses`` pages were (a cold checkpoint shows after a few), after ``samples`` reads in
+    all, or at ``deadline`` (``time.monotonic``); ranges not looked at are not resident.
+    Returns the per-range answer and what is left of both budgets. Raises ``OSError``
+    where the file system refuses ``RWF_NOWAIT``, ``ValueError`` for anything but a
+    regular file."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise ValueError("not a regular file: its residency means nothing")
     resident = np.zeros(len(lo), dtype=bool)
     byte = bytearray(1)
     for i, (start, stop) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
-        if misses <= 0 or samples <= 0:
+        if misses <= 0 or samples <= 0 or time.monotonic() > deadline:
             break
         if stop <= start:
             continue
@@ -140,12 +150,13 @@ def sampled_resident(
             break  # not all of it can be looked at: the rest is not known resident
         for at in places:
             samples -= 1
+            began = time.perf_counter()
             try:
                 got = os.preadv(fd, [byte], at, os.RWF_NOWAIT)
             except BlockingIOError:  # EAGAIN: not in the page cache
                 got = 0
-            if got != 1:  # missing (or past the end of the file)
-                misses -= 1
+            if got != 1 or time.perf_counter() - began > SLOW_SAMPLE_S:
+                misses -= 1  # missing, past the end of the file, or from the storage
                 break
         else:
             resident[i] = True

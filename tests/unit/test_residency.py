@@ -224,7 +224,8 @@ def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]
     ]
     lo = np.array([a for a, _ in ranges])
     hi = np.array([b for _, b in ranges])
-    resident, misses, samples = sampled_resident(fd, lo, hi, misses=3, samples=100)
+    later = time.monotonic() + 60
+    resident, misses, samples = sampled_resident(fd, lo, hi, misses=3, samples=100, deadline=later)
     assert resident.tolist() == [True, False, True, False, False, False]
     assert misses == 0
     assert samples == 100 - (2 + 2 + 2 + 1 + 1)  # first, last and one per 2 MiB; a miss ends one
@@ -236,9 +237,19 @@ def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]
     assert resident_bytes(fd, 5 * MiB, 3 * MiB) == 2 * PAGE
     assert resident_bytes(fd, 7 * MiB, MiB) == 0
     # Out of reads: a range not looked at whole is not resident, and the search stops.
-    resident, _, samples = sampled_resident(fd, lo[:3], hi[:3], misses=3, samples=3)
+    resident, _, samples = sampled_resident(fd, lo[:3], hi[:3], misses=3, samples=3, deadline=later)
     assert resident.tolist() == [True, False, False]
     assert samples == 1
+    # Out of time: nothing is looked at, nothing is resident.
+    resident, misses, samples = sampled_resident(fd, lo, hi, misses=3, samples=100, deadline=0)
+    assert (bool(resident.any()), misses, samples) == (False, 3, 100)
+    # Not a regular file: /dev/zero would answer every read at once.
+    zero = os.open("/dev/zero", os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="regular"):
+            sampled_resident(zero, lo, hi, misses=3, samples=100, deadline=later)
+    finally:
+        os.close(zero)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")

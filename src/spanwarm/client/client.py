@@ -57,9 +57,10 @@ _RESIDENT_SLACK_SHARE = 8
 # milliseconds): past that, tensors count as not resident.
 _RESIDENCY_SCAN_BYTES = 64 * 2**30
 # Where mincore cannot be believed, pages are sampled instead (residency.sampled_resident):
-# at most this many one-byte reads per request (about 10 ms), and no more after this many
-# pages found missing (each one is read in: a cold checkpoint costs that many pages).
-_SAMPLED_READS, _SAMPLED_MISSES = 8192, 16
+# at most this many one-byte reads per request (about 15 ms), for at most this long (a
+# busy device can hold each up), and no more after this many pages found missing (each
+# one is read in: a cold checkpoint costs that many pages).
+_SAMPLED_READS, _SAMPLED_SECONDS, _SAMPLED_MISSES = 8192, 0.02, 16
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 _OWN_SAMPLES, _OWN_BYTES = 4, 4 * 2**20  # own cold reads timed before they bound waits
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
@@ -243,8 +244,8 @@ class Ticket:
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, was resident when the request went out (read it
-        now; up to ``_RESIDENT_SLACK`` of it may be missing), was released, or is not
-        part of the request."""
+        now; a few pages of it may be missing, see ``_note_residency``), was released, or
+        is not part of the request."""
         i = self._index.get(name)
         return i is None or self._state[i] != _PENDING
 
@@ -738,7 +739,8 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     Where mincore cannot be believed (a file this process neither owns nor may write:
     the kernel then says every page is present), pages of each envelope are sampled
     instead, with reads that the page cache answers or refuses; there a tensor is
-    resident when every page looked at is."""
+    resident when every page looked at is (no slack, and pages between samples unseen:
+    the rank reads those itself)."""
     file_index = np.asarray(request.file_index, dtype=np.int64)
     group_index = np.asarray(request.group_index, dtype=np.int64)
     offset = np.asarray(request.offset, dtype=np.int64)
@@ -755,6 +757,7 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
     budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound the work
     misses, samples = _SAMPLED_MISSES, _SAMPLED_READS
+    deadline = time.monotonic() + _SAMPLED_SECONDS
     for position, path in enumerate(request.files):
         mine = f == position
         if not mine.any():
@@ -772,7 +775,7 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
             elif misses > 0 and samples > 0:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a missing page: one page
                 sampled, misses, samples = sampled_resident(
-                    fd, lo[mine], hi[mine], misses=misses, samples=samples
+                    fd, lo[mine], hi[mine], misses=misses, samples=samples, deadline=deadline
                 )
                 missing[mine] = np.where(sampled, 0, missing[mine])
         except (OSError, ValueError):

@@ -248,6 +248,27 @@ def test_a_rank_bounds_its_waits_by_its_own_reads(tmp_path: Path) -> None:
     assert all(t < 0.2 for t in took[4:]), took  # this rank's own: a millisecond
 
 
+def test_a_wait_shorter_than_a_thread_switch_is_not_begun(tmp_path: Path) -> None:
+    """The daemon knows the disk at 1 GB/s, so reading a 1 MiB tensor here takes about a
+    millisecond: less than the waiting thread would take to wake. The rank reads at once,
+    with no bounded wait begun (none counts toward ``_daemon_behind``); a 64 MiB tensor
+    (about 67 ms) is still waited for, and ends read when the throttled daemon is late."""
+    path = cold_file(tmp_path / "fast.safetensors", 65 * MiB, seed=12)
+    state = learned_state(tmp_path / "state", path, 1e9)
+    with running_daemon(*FLAGS, "--throttle", "1MiB", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request([span("small", path, 0, MiB), span("big", path, MiB, 64 * MiB)])
+        while not ticket.plan:  # the plan's figure, not only the grant's
+            time.sleep(0.01)
+        assert ticket.wait_for_read("small", timeout=60) == "read"
+        assert not ticket.ready("small")  # not warm: read here, not reported ready
+        assert list(ticket._waits) == []
+        assert ticket.wait_for_read("big", timeout=60) == "read"
+        assert list(ticket._waits) == [False]  # that one was waited for, and ended read
+        ticket.cancel()
+        client.close()
+
+
 def learned_state(state: Path, path: Path, bytes_per_s: float) -> Path:
     """A state directory in which a daemon learned ``bytes_per_s`` for ``path``'s mount."""
     state.mkdir(mode=0o700)

@@ -62,6 +62,11 @@ _RESIDENCY_SCAN_BYTES = 64 * 2**30
 # one is read in: a cold checkpoint costs that many pages).
 _SAMPLED_READS, _SAMPLED_SECONDS, _SAMPLED_MISSES = 8192, 0.02, 16
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
+# A bounded wait shorter than this is not begun: a waiting thread wakes up to a GIL
+# switch interval (5 ms) late while another thread of the rank runs Python, later still
+# on a busy node (transformers' loader here: waits bounded at 1.3 ms took 2-37 ms). The
+# rank reads at once instead; the page cache shares whatever the daemon reads meanwhile.
+_WORTH_WAITING_S = 0.01
 _OWN_SAMPLES, _OWN_BYTES = 4, 4 * 2**20  # own cold reads timed before they bound waits
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
@@ -165,7 +170,8 @@ class Ticket:
         How long a cold read takes comes from the grant, then the plan: the daemon's
         learned throughput of one stream on each file's device, for this tensor's bytes,
         and at least one read of the daemon's piece size. A tensor resident when the
-        request went out is read at once. Until the daemon has learned it, ranks wait as
+        request went out is read at once, and so is one that would be waited for less
+        than ``_WORTH_WAITING_S``. Until the daemon has learned it, ranks wait as
         :meth:`wait` does. On fast local storage ranks thus never queue behind the daemon;
         on a slow mount, where the daemon's many reads in flight beat one stream, they wait.
         A rank whose waits too often end with it reading the tensor itself stops waiting
@@ -192,6 +198,9 @@ class Ticket:
                     # What this rank's own cold reads took (Ticket.took), where lower.
                     own = self._bytes[i] * self._own_seconds / self._own_bytes
                     bound = min(bound, own)
+                if bound < _WORTH_WAITING_S:
+                    self._cold.add(i)
+                    return "read"  # sooner read than waited for
                 if bound != np.inf and not waited:
                     waited = True
                     if self._daemon_behind():

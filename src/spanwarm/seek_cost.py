@@ -62,7 +62,7 @@ SEEK_SECONDS = 0.5  # enough seeks to outweigh timer and scheduling noise, when 
 # One file that holds everything at the full geometry, a slot between each place.
 MIN_FILE_BYTES = SHORT_BYTES + LONG_BYTES + (MIN_SEEKS + 2) * SLOT
 MIN_PLACE_BYTES = 2 * SLOT  # a smaller file holds at most one place: not worth a look
-MAX_CHECKED = 1024  # slots looked at per file, from the end (4 GiB): a huge file costs no more
+MAX_CHECKED = 1024  # slots looked at in all (4 GiB), from each file's end: huge files cost no more
 CHUNK = 8 << 20  # reads of the daemon's default chunk size
 MAX_SEEK_COST = 1 << 30  # past this a figure is a damaged measurement, not a mount
 

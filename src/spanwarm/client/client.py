@@ -198,9 +198,9 @@ class Ticket:
                     # What this rank's own cold reads took (Ticket.took), where lower.
                     own = self._bytes[i] * self._own_seconds / self._own_bytes
                     bound = min(bound, own)
-                if bound < _WORTH_WAITING_S:
+                if bound < _WORTH_WAITING_S and not waited:
                     self._cold.add(i)
-                    return "read"  # sooner read than waited for
+                    return "read"  # sooner read than waited for (a begun wait ends below)
                 if bound != np.inf and not waited:
                     waited = True
                     if self._daemon_behind():

@@ -25,11 +25,11 @@ files are not offered any more, and one user's requests hold at most
 storage, a user's own FUSE server) is given up after ``PROBE_TIMEOUT_S``: its mount is
 not probed again until the daemon restarts, and a user whose requests named
 ``MAX_STUCK_PER_UID`` such files gets no more probes of its files (the thread of each is
-lost; the file being read then is the one to blame, or all of the probe's while it was
-still looking for places). Places are checked cold again just before each read, so pages
-warmed meanwhile are not timed as storage; a figure is re-measured after ``MAX_AGE_S``,
-and deleting the mount's entry from ``devices.json`` (daemon stopped) or
-``--seek-cost`` replaces it.
+lost; the file it was opening, looking at, reading or closing is the one to blame, and
+nobody when it was stuck before touching any). Places are checked cold again just
+before each read, so pages warmed meanwhile are not timed as storage; a figure is
+re-measured after ``MAX_AGE_S``, and deleting the mount's entry from ``devices.json``
+(daemon stopped) or ``--seek-cost`` replaces it.
 """
 
 from __future__ import annotations

@@ -92,6 +92,32 @@ def test_first_tensor_is_ready_long_before_the_last(tmp_path: Path) -> None:
     assert first < total / 2, (first, total)
 
 
+def test_cells_go_in_the_order_of_the_request_across_files(tmp_path: Path) -> None:
+    """A rank's second tensor in one file comes before its third in another: the order is
+    the request's, not each file's own (which once sent every file's first cell ahead of
+    any second one, so a load's first layer waited behind later layers' experts)."""
+    a = cold_file(tmp_path / "a.safetensors", 24 * MiB)
+    b = cold_file(tmp_path / "b.safetensors", 24 * MiB, seed=1)
+    spans = [
+        span("a0", a, 0, MiB),
+        span("a1", a, 16 * MiB, MiB),
+        span("b0", b, 0, MiB),
+        span("a2", a, 8 * MiB, MiB),
+    ]
+    # One worker, one cell at a time, a quarter second each.
+    flags = ("--method", "read", "--throttle", "4MiB", "--chunk-size", "4MiB", "--workers", "1")
+    with running_daemon(*flags, "--seek-cost", "0") as daemon:
+        client = Client(daemon.socket, read_yourself=False)
+        ticket = client.request(spans, rank=0)
+        order: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(order) < len(spans) and time.monotonic() < deadline:
+            order += [s.tensor for s in spans if s.tensor not in order and ticket.ready(s.tensor)]
+            time.sleep(0.005)
+        client.close()
+    assert order == ["a0", "a1", "b0", "a2"], order
+
+
 def test_a_late_rank_sharing_a_cell_still_gets_its_first_tensor(tmp_path: Path) -> None:
     # One worker. Rank 0's second tensor (cell 2) is in flight when rank 1 arrives needing
     # more of that cell plus a first tensor elsewhere; when the read completes, the cell

@@ -100,7 +100,7 @@ class DaemonConfig:
         8 * 2**20,
         flag="--chunk-size",
         kind="size",
-        help="largest single warm operation: the device read-ahead window",
+        help="largest single warm operation: the device read-ahead window (at most 1 GiB)",
     )
     method: str | None = _setting(
         None,

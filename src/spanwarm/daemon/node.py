@@ -17,11 +17,14 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
 - **Need.** A request needs, in each cell its spans touch, the planned bytes between the
   first and last byte it names there (its *hull*). Its tensor groups each wait for the
   cells their spans touch.
-- **Readiness.** A request's cell is satisfied when completed warm operations that
-  finished after the request arrived cover its need. A group is ready when all its cells
-  are. Bytes warmed for one request serve every other one that arrived before the read
-  completed, so each byte is read once per node; a late arrival re-checks residency
-  (where mincore can be trusted) instead of reading again.
+- **Readiness.** A request's cell is satisfied when pieces of warm operations that
+  completed after the request arrived cover its need. A group is ready when all its cells
+  are, or sooner: an operation slower than a few milliseconds reports each piece as it
+  completes, and a group counts in a cell as soon as the request's need there is warm
+  from the hull's start to past the group's last byte (``Request.credit``; a cell's
+  pieces go in file order). Bytes warmed for one request serve every other one that
+  arrived before the piece completed, so each byte is read once per node; a late arrival
+  re-checks residency (where mincore can be trusted) instead of reading again.
 - **Order.** Users (uids) share the workers fairly: the next operation goes to the user
   the node served least lately (worker time, decaying by half every
   ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; while such

@@ -45,8 +45,8 @@ _PAIRS_PER_BATCH = 1 << 20  # (span, cell) pairs expanded at once: bounds the te
 def _touches(
     table: SpanTable, groups: npt.NDArray[np.int64], size: int, chunk: int, file_id: int
 ) -> list[tuple[npt.NDArray[np.int64], ...]]:
-    """Every (file, cell, lo, hi, group, span) where a span has bytes in a cell: [lo, hi)
-    is the hull of that span's rows inside the cell. Expanded in batches of about
+    """Every (file, cell, lo, hi, group) where a span has bytes in a cell: [lo, hi) is the
+    hull of that span's rows inside the cell. Expanded in batches of about
     ``_PAIRS_PER_BATCH`` pairs, so the temporaries stay small whatever the spans."""
     keep = (table.length > 0) & (table.count > 0)
     span_ids = np.flatnonzero(keep)
@@ -77,7 +77,7 @@ def _touches(
         lo = np.maximum(c0, o + first_row * st)[hit]
         hi = np.minimum(c1, o + last_row * st + ln)[hit]
         span = span_ids[pair[hit]]
-        out.append((np.full(len(span), file_id, np.int64), cell[hit], lo, hi, groups[span], span))
+        out.append((np.full(len(span), file_id, np.int64), cell[hit], lo, hi, groups[span]))
     return out
 
 
@@ -130,25 +130,31 @@ class Request:
             np.add.at(self.group_bytes, groups, table.length * table.count)
             index = unique.setdefault(file, len(unique))
             parts.extend(_touches(table, groups, file.size, chunk, index))
-        self._index(parts, list(unique))
+        self._index(parts, list(unique), admitted.group_order)
 
-    def _index(self, parts: list[tuple[npt.NDArray[np.int64], ...]], files: list[OpenFile]) -> None:
-        """Group (file, cell, lo, hi, group, span) pairs into rows: one per cell touched."""
-        file_id, cell, lo, hi, group, span = (
+    def _index(
+        self,
+        parts: list[tuple[npt.NDArray[np.int64], ...]],
+        files: list[OpenFile],
+        group_order: npt.NDArray[np.int64],
+    ) -> None:
+        """Group (file, cell, lo, hi, group) pairs into rows: one per cell touched.
+        ``group_order``: each group's first span in the request, across all its files."""
+        file_id, cell, lo, hi, group = (
             np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64)
-            for i in range(6)
+            for i in range(5)
         )
         order = np.lexsort((group, cell, file_id))
-        file_id, cell, lo, hi, group, span = (
-            a[order] for a in (file_id, cell, lo, hi, group, span)
-        )
+        file_id, cell, lo, hi, group = (a[order] for a in (file_id, cell, lo, hi, group))
         new_row = np.ones(len(cell), dtype=bool)
         new_row[1:] = (cell[1:] != cell[:-1]) | (file_id[1:] != file_id[:-1])
         heads = np.flatnonzero(new_row)
         if len(heads):
             self.hull_lo = np.minimum.reduceat(lo, heads)
             self.hull_hi = np.maximum.reduceat(hi, heads)
-            first_span = np.minimum.reduceat(span, heads)
+            # A row comes when its first group does in the request (not a span's index in
+            # its own file, which would put every file's first cell before any second one).
+            first_span = np.minimum.reduceat(group_order[group], heads)
         else:
             self.hull_lo = self.hull_hi = first_span = np.zeros(0, np.int64)
         distinct = new_row.copy()
@@ -184,7 +190,8 @@ class Request:
         self._file_rows = np.searchsorted(file_id[heads], np.arange(len(files) + 1))
         self._file_starts = self._file_rows[:-1].tolist()
         self.pending = _RowSet(self)
-        # Rows in the order its spans come; rows no longer pending are passed over.
+        # Rows in the order its spans come (a group's rows in file order); rows no longer
+        # pending are passed over.
         order = np.argsort(first_span, kind="stable")
         self.queue = CellQueue(order, self.key_of, self.pending.flags)
 

@@ -54,7 +54,6 @@ def test_environment_lists_and_sizes() -> None:
             "--method: method: 'telepathy': expected one of populate",
         ),
         ("", {}, {"workers": "0"}, "workers: must be >= 1"),
-        ("", {}, {"chunk_bytes": "2GiB"}, "chunk_bytes: must be at most 1 GiB"),
         ("", {}, {"listen": "0.0.0.0:80"}, "must be a loopback address"),
     ],
 )

@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG_FILE = "/etc/spanwarm/spanwarm.toml"
-MAX_CHUNK = 2**30  # --chunk-size at most: far past any device read-ahead window
 
 
 class ConfigError(ValueError):
@@ -100,7 +99,7 @@ class DaemonConfig:
         8 * 2**20,
         flag="--chunk-size",
         kind="size",
-        help="largest single warm operation: the device read-ahead window (at most 1 GiB)",
+        help="largest single warm operation: the device read-ahead window",
     )
     method: str | None = _setting(
         None,
@@ -269,8 +268,6 @@ class DaemonConfig:
             raise ConfigError(
                 f"chunk_bytes: must be a positive multiple of {page}, got {self.chunk_bytes}"
             )
-        if self.chunk_bytes > MAX_CHUNK:  # a request keeps offsets within a cell in 32 bits
-            raise ConfigError(f"chunk_bytes: must be at most 1 GiB, got {self.chunk_bytes}")
         if self.seek_cost is not None and self.seek_cost < 0:
             raise ConfigError(f"seek_cost: must be >= 0, got {self.seek_cost}")
         for name in ("max_spans", "max_files", "max_cells", "max_span_cells", "max_rows"):

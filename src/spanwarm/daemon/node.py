@@ -19,12 +19,9 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
   cells their spans touch.
 - **Readiness.** A request's cell is satisfied when pieces of warm operations that
   completed after the request arrived cover its need. A group is ready when all its cells
-  are, or sooner: an operation slower than a few milliseconds reports each piece as it
-  completes, and a group counts in a cell as soon as the request's need there is warm
-  from the hull's start to past the group's last byte (``Request.credit``; a cell's
-  pieces go in file order). Bytes warmed for one request serve every other one that
-  arrived before the piece completed, so each byte is read once per node; a late arrival
-  re-checks residency (where mincore can be trusted) instead of reading again.
+  are. Bytes warmed for one request serve every other one that arrived before the piece
+  completed, so each byte is read once per node; a late arrival re-checks residency
+  (where mincore can be trusted) instead of reading again.
 - **Order.** Users (uids) share the workers fairly: the next operation goes to the user
   the node served least lately (worker time, decaying by half every
   ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; while such
@@ -45,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -101,9 +97,6 @@ _PIECE_SECONDS = 0.25  # a piece slower than this halves the next ones ...
 _MIN_PIECE = 128 * 2**10  # ... down to this
 _OVERTIME_SECONDS = 1.0  # an operation asked to make way that runs on this long frees its worker
 _SAVE_EVERY_TICKS = 30  # learned throughput goes to the state directory every 30 s (if new)
-# An operation running longer than this reports each piece as it completes, so the tensors
-# there are ready before the whole cell is (fast storage: no callback per piece).
-_REPORT_PIECES_AFTER = 0.005
 
 
 @dataclass(slots=True)
@@ -139,8 +132,8 @@ class _Outcome:
     kept: list[tuple[int, int]] = field(default_factory=list)  # --hold: (address, length)
     bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
     covered: list[Range] = field(default_factory=list)  # what it got to (it may stop early)
-    # Pieces warmed and not yet reported to the loop, each with when it completed (those
-    # of a slow operation are reported as they complete: ``Node._piece_warmed``).
+    # The pieces warmed, each with when it completed: a piece warm before a request came
+    # is not warm for it (Cell.warm), however long the rest of the operation took.
     pieces: list[tuple[int, int, float]] = field(default_factory=list)
     done: float = 0.0  # when the last read completed (taken in the worker, not on the loop)
 
@@ -884,15 +877,8 @@ class Node:
         file = key[0]
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-
-        def report(start: int, stop: int, when: float) -> None:  # from the worker thread
-            with contextlib.suppress(RuntimeError):  # the loop is closed: we are exiting
-                loop.call_soon_threadsafe(self._piece_warmed, key, start, stop, when)
-
         try:
-            outcome = await loop.run_in_executor(
-                self._pool, self._warm_blocking, file, ranges, uid, report
-            )
+            outcome = await loop.run_in_executor(self._pool, self._warm_blocking, file, ranges, uid)
         except FileChangedError as exc:
             self._fail_file(file, exc.grpc_code, exc.cause)
         except OSError as exc:  # the file could not even be opened again
@@ -946,8 +932,8 @@ class Node:
             cell = self._cells.get(key)
             if cell is not None:
                 cell.in_flight = False
-                # Ranks may have read their part while it was in flight (tensors ready
-                # before the cell was): nothing else would look again.
+                # Ranks may have read their part while it was in flight (a rank reading a
+                # tensor itself reports it read): nothing else would look again.
                 self._evict_if_done(key)
                 if not cell.waiters and file not in self._users:
                     del self._cells[key]
@@ -967,21 +953,12 @@ class Node:
                     size = max(_MIN_PIECE, size // 2)
                 start = end
 
-    def _warm_blocking(
-        self,
-        file: OpenFile,
-        ranges: list[Range],
-        uid: int,
-        report: Callable[[int, int, float], None],
-    ) -> _Outcome:
+    def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int) -> _Outcome:
         """Runs in a worker: warm what is not already resident, piece by piece, stopping
         between pieces when ``uid`` is asked to make way (``_to_preempt``) or nobody needs
         the file any more (what was done is in ``covered``). A range the storage fails is
-        narrowed down to its bad pages; the rest of it is warmed. Once the operation has
-        run ``_REPORT_PIECES_AFTER``, each piece warmed is ``report``-ed as it completes;
-        the others are kept in ``pieces``."""
+        narrowed down to its bad pages; the rest of it is warmed."""
         outcome = _Outcome()
-        began = time.monotonic()
         if self._all_resident(file, ranges):
             outcome.covered = list(ranges)
             outcome.verified = sum(b - a for a, b in ranges)
@@ -998,7 +975,7 @@ class Node:
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
                 if resident == stop - start:
                     outcome.verified += resident
-                    self._piece_done(outcome, start, stop, began, report)
+                    outcome.pieces.append((start, stop, time.monotonic()))
                     continue
                 io_before = self.engine.io_seconds()
                 try:
@@ -1007,13 +984,13 @@ class Node:
                     raise
                 except OSError:
                     outcome.bad.extend(bad_pages(fd, start, stop))
-                    # Its good pages are warm; the bad ones are taken out in _warm.
-                    outcome.pieces.append((start, stop, time.monotonic()))
                 else:
                     if not resident:  # a cold read: what one stream gets here
                         io = self.engine.io_seconds() - io_before
                         self.throughput.record(file.identity.device, stop - start, io)
-                    self._piece_done(outcome, start, stop, began, report)
+                # Taken after the read (its good pages, where it failed: _warm takes the
+                # bad ones out).
+                outcome.pieces.append((start, stop, time.monotonic()))
                 outcome.read += stop - start - resident
                 outcome.fetched.append((start, stop))
                 outcome.verified += resident
@@ -1022,23 +999,6 @@ class Node:
                 outcome.kept = _pin_all(fd, _subtract(outcome.covered, bad))
         outcome.done = time.monotonic()
         return outcome
-
-    def _piece_done(
-        self,
-        outcome: _Outcome,
-        start: int,
-        stop: int,
-        began: float,
-        report: Callable[[int, int, float], None],
-    ) -> None:
-        """A piece is warm (read, or found resident): report it now when the operation is
-        slow, else keep it for the operation's end. Its time is taken after the read. Not
-        with ``--hold``: a tensor is ready there once the operation has pinned it."""
-        now = time.monotonic()
-        if now - began >= _REPORT_PIECES_AFTER and not self.config.hold:
-            report(start, stop, now)
-        else:
-            outcome.pieces.append((start, stop, now))
 
     def _all_resident(self, file: OpenFile, ranges: list[Range]) -> bool:
         """Whether the operation has nothing to read: every page of its ranges is in the
@@ -1057,36 +1017,6 @@ class Node:
 
     # -- readiness -----------------------------------------------------------------------
 
-    def _piece_warmed(self, key: CellKey, start: int, stop: int, when: float) -> None:
-        """A piece of an operation still in flight is warm: record it, and make ready the
-        tensors of the cell's waiters that have every byte of their need there warm."""
-        cell = self._cells.get(key)
-        if cell is None:
-            return
-        cell.warm.append((start, stop, when))
-        for request in list(cell.waiters):
-            if key not in request.pending:
-                continue
-            lo, hi = request.hull(key)
-            need = _subtract(self._planned(key, lo, hi), _since(cell.bad, request.activated))
-            missing = _subtract(need, _since(cell.warm, request.arrival))
-            # Warm from the hull's start up to the first missing byte (or all of it): a
-            # group whose bytes there end by then has all of them warm (its bytes are
-            # planned bytes of the hull), whatever else of the cell is still to come. The
-            # operation's end settles the cell itself (_settle).
-            groups = request.credit(key, missing[0][0] if missing else hi)
-            if groups.size:
-                self._count_down(request, groups)
-                self._finish_if_resolved(request)
-
-    def _count_down(self, request: Request, groups: npt.NDArray[np.int32]) -> None:
-        """One more of each group's cells is warm for it; those with none left are ready."""
-        request.remaining[groups] -= 1
-        now_ready = groups[request.remaining[groups] == 0]
-        if now_ready.size:
-            request.state[now_ready] = READY
-            request.events.put_nowait(Event("ready", tuple(now_ready.tolist())))
-
     def _settle(self, key: CellKey) -> None:
         """Re-check every waiter of a cell after it changed; emit what became ready."""
         cell = self._cells.get(key)
@@ -1104,8 +1034,13 @@ class Node:
             cell.unwait(request)
             if not request.consumed[request.cell_groups(key)].all():
                 self._hold(key, request)
-            groups = request.uncounted_groups(key)
-            self._count_down(request, groups[request.state[groups] == PENDING])
+            groups = request.cell_groups(key)
+            groups = groups[request.state[groups] == PENDING]
+            request.remaining[groups] -= 1
+            now_ready = groups[request.remaining[groups] == 0]
+            if now_ready.size:
+                request.state[now_ready] = READY
+                request.events.put_nowait(Event("ready", tuple(now_ready.tolist())))
             self._finish_if_resolved(request)
 
     def _fail_ranges(self, key: CellKey, bad: list[BadRange]) -> None:

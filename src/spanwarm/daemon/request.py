@@ -116,7 +116,6 @@ class Request:
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)
         self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)
         self.finished = False
-        self._chunk = chunk
         unique: dict[OpenFile, int] = {}
         parts = []
         for position, file in enumerate(admitted.files):
@@ -162,12 +161,6 @@ class Request:
         row_of_pair = np.cumsum(new_row) - 1
         self._group_flat = group[distinct].astype(np.int32)
         self._group_ptr = np.searchsorted(row_of_pair[distinct], np.arange(len(heads) + 1))
-        # Per (row, group) entry: where the group's bytes in that cell end, from the cell's
-        # start (1..chunk, so 4 bytes); 0 once the group was counted there before the whole
-        # cell was (``credit``). What lets a tensor be ready while its cell is still read.
-        entry_heads = np.flatnonzero(distinct)
-        ends = np.maximum.reduceat(hi, entry_heads) if len(entry_heads) else hi
-        self._entry_end = (ends - cell[entry_heads] * self._chunk).astype(np.uint32)
         np.add.at(self.remaining, self._group_flat, 1)
         # Consumption: groups left unread per row, and each group's rows (inverse CSR).
         per_row = np.diff(self._group_ptr)
@@ -292,27 +285,6 @@ class Request:
     def cell_groups(self, key: CellKey) -> npt.NDArray[np.int32]:
         row = self._row(key)
         return self._group_flat[self._group_ptr[row] : self._group_ptr[row + 1]]
-
-    def uncounted_groups(self, key: CellKey) -> npt.NDArray[np.int32]:
-        """The cell's groups that ``credit`` has not counted there yet."""
-        row = self._row(key)
-        entries = slice(self._group_ptr[row], self._group_ptr[row + 1])
-        return self._group_flat[entries][self._entry_end[entries] > 0]
-
-    def credit(self, key: CellKey, frontier: int) -> npt.NDArray[np.int32]:
-        """The pending groups whose bytes in the cell all lie below ``frontier`` (the
-        caller has every byte of its need there from the hull's start up to it warm) and
-        that were not counted there yet; they are marked counted, so the cell's own
-        settling does not count them again."""
-        row = self._row(key)
-        entries = slice(self._group_ptr[row], self._group_ptr[row + 1])
-        ends = self._entry_end[entries]
-        groups = self._group_flat[entries]
-        limit = frontier - int(self._row_cell[row]) * self._chunk
-        hit = (ends > 0) & (ends <= limit) & (self.state[groups] == PENDING)
-        ends[hit] = 0  # a view: marks the entries in place
-        counted: npt.NDArray[np.int32] = groups[hit]
-        return counted
 
     def _row(self, key: CellKey) -> int:
         row = self.row_of(key)

@@ -349,7 +349,6 @@ class AdmittedRequest:
     groups: list[str]
     spans: dict[int, SpanTable]  # file position -> spans, in request order
     span_groups: dict[int, npt.NDArray[np.int64]]  # file position -> group of each span
-    group_order: npt.NDArray[np.int64]  # first span index of each group (request order)
 
     @property
     def nbytes(self) -> int:
@@ -530,8 +529,6 @@ def _admit(
             )
         spans[position] = SpanTable(offset[mine], length[mine], stride[mine], count[mine])
         span_groups[position] = group_index[mine]
-    first_span = np.full(len(request.groups), n, dtype=np.int64)
-    np.minimum.at(first_span, group_index, np.arange(n, dtype=np.int64))
     return AdmittedRequest(
         job=request.job,
         rank=request.rank,
@@ -540,5 +537,4 @@ def _admit(
         groups=list(request.groups),
         spans=spans,
         span_groups=span_groups,
-        group_order=first_span,
     )

@@ -386,7 +386,8 @@ class Node:
         cache before it came (another job's, or tensors a rank read itself without
         asking). Readiness needs warm operations completed after a request arrived, so a
         later request warms the bytes again: nothing is ever reported ready from a record
-        of bytes that were dropped."""
+        of bytes that were dropped. Checked when a rank reports a read, when a request
+        ends, and when an operation on the cell ends."""
         cell = self._cells.get(key)
         if not self.config.evict_after_read or cell is None or not cell.read:
             return
@@ -932,12 +933,15 @@ class Node:
             cell = self._cells.get(key)
             if cell is not None:
                 cell.in_flight = False
+            self._release_if_free(key)  # first: --hold's pins go, so their pages can too
+            if cell is not None:
                 # Ranks may have read their part while it was in flight (a rank reading a
-                # tensor itself reports it read): nothing else would look again.
-                self._evict_if_done(key)
-                if not cell.waiters and file not in self._users:
+                # tensor itself reports it read): nothing else would look again. Only while
+                # the file has users: with none its descriptor is closed, or closing.
+                if file in self._users:
+                    self._evict_if_done(key)
+                elif not cell.waiters:
                     del self._cells[key]
-            self._release_if_free(key)
             self._wake.set()
 
     def _pieces(self, ranges: list[Range]) -> Iterator[Range]:

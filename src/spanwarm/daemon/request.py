@@ -129,16 +129,10 @@ class Request:
             np.add.at(self.group_bytes, groups, table.length * table.count)
             index = unique.setdefault(file, len(unique))
             parts.extend(_touches(table, groups, file.size, chunk, index))
-        self._index(parts, list(unique), admitted.group_order)
+        self._index(parts, list(unique))
 
-    def _index(
-        self,
-        parts: list[tuple[npt.NDArray[np.int64], ...]],
-        files: list[OpenFile],
-        group_order: npt.NDArray[np.int64],
-    ) -> None:
-        """Group (file, cell, lo, hi, group) pairs into rows: one per cell touched.
-        ``group_order``: each group's first span in the request, across all its files."""
+    def _index(self, parts: list[tuple[npt.NDArray[np.int64], ...]], files: list[OpenFile]) -> None:
+        """Group (file, cell, lo, hi, group) pairs into rows: one per cell touched."""
         file_id, cell, lo, hi, group = (
             np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64)
             for i in range(5)
@@ -151,11 +145,12 @@ class Request:
         if len(heads):
             self.hull_lo = np.minimum.reduceat(lo, heads)
             self.hull_hi = np.maximum.reduceat(hi, heads)
-            # A row comes when its first group does in the request (not a span's index in
-            # its own file, which would put every file's first cell before any second one).
-            first_span = np.minimum.reduceat(group_order[group], heads)
+            # A row comes when its first group does: groups are numbered in the order the
+            # rank reads them (the wire contract), across all its files. (Not a span's index
+            # in its own file, which put every file's first cell before any second one.)
+            first_group = group[heads]  # each row's groups are sorted
         else:
-            self.hull_lo = self.hull_hi = first_span = np.zeros(0, np.int64)
+            self.hull_lo = self.hull_hi = first_group = np.zeros(0, np.int64)
         distinct = new_row.copy()
         distinct[1:] |= group[1:] != group[:-1]
         row_of_pair = np.cumsum(new_row) - 1
@@ -183,9 +178,9 @@ class Request:
         self._file_rows = np.searchsorted(file_id[heads], np.arange(len(files) + 1))
         self._file_starts = self._file_rows[:-1].tolist()
         self.pending = _RowSet(self)
-        # Rows in the order its spans come (a group's rows in file order); rows no longer
-        # pending are passed over.
-        order = np.argsort(first_span, kind="stable")
+        # Rows in the order of their first groups (a group's rows in file order); rows no
+        # longer pending are passed over.
+        order = np.argsort(first_group, kind="stable")
         self.queue = CellQueue(order, self.key_of, self.pending.flags)
 
     def row_of(self, key: CellKey) -> int | None:

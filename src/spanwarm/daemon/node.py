@@ -28,8 +28,9 @@ in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of
   a user has cells waiting and every worker is busy, heavier users' operations stop at
   their next piece (``_to_preempt``). So one user's flood of streams cannot starve
   another user's load. Within a user, its requests take
-  turns (round robin); each one's cells go in the order its spans came, so every rank's
-  first tensors are warm first. Cells the plan reads that no request needs (bridged
+  turns (round robin); each one's cells go in the order of its tensor groups (the order
+  the rank reads them, across all its files), so every rank's first tensors are warm
+  first. Cells the plan reads that no request needs (bridged
   gaps, whole files) take the last turn, in the turns of the users whose files they are.
 - **Faults.** A warm operation that fails is narrowed down page by page
   (:func:`~spanwarm.daemon.warm_engine.bad_pages`): the good bytes count as warm, and

@@ -132,11 +132,15 @@ class _Outcome:
     verified: int = 0  # bytes found resident already
     kept: list[tuple[int, int]] = field(default_factory=list)  # --hold: (address, length)
     bad: list[BadRange] = field(default_factory=list)  # pages the storage failed
-    covered: list[Range] = field(default_factory=list)  # what it got to (it may stop early)
-    # The pieces warmed, each with when it completed: a piece warm before a request came
-    # is not warm for it (Cell.warm), however long the rest of the operation took.
+    # What it got to (it may stop early), piece by piece, each with when its read
+    # completed: a piece warm before a request came is not warm for it (Cell.warm),
+    # however long the rest of the operation took. A failed piece's bad pages are in bad.
     pieces: list[tuple[int, int, float]] = field(default_factory=list)
     done: float = 0.0  # when the last read completed (taken in the worker, not on the loop)
+
+    @property
+    def covered(self) -> list[Range]:
+        return [(a, b) for a, b, _ in self.pieces]
 
 
 def _since(ranges: Iterable[tuple[int, int, float]], when: float) -> list[Range]:
@@ -901,13 +905,16 @@ class Node:
                 done - started,
             )
             bad = [(b.start, b.stop) for b in outcome.bad]
-            good = _subtract(outcome.covered, bad)
+            good = [
+                (a, b, when)
+                for start, stop, when in outcome.pieces
+                for a, b in _subtract([(start, stop)], bad)
+            ]
             warmed_cell = self._cells[key]
-            for start, stop, when in outcome.pieces:
-                warmed_cell.warm.extend((a, b, when) for a, b in _subtract([(start, stop)], bad))
+            warmed_cell.warm.extend(good)
             if self.config.evict_after_read and outcome.fetched:
                 warmed_cell.fetched += tuple(outcome.fetched)
-            warmed = sum(b - a for a, b in good)
+            warmed = sum(b - a for a, b, _ in good)
             self._mappings.setdefault(key, []).extend(outcome.kept)
             self._held[key] = self._held.get(key, 0) + warmed
             self._held_total += warmed
@@ -961,11 +968,10 @@ class Node:
     def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int) -> _Outcome:
         """Runs in a worker: warm what is not already resident, piece by piece, stopping
         between pieces when ``uid`` is asked to make way (``_to_preempt``) or nobody needs
-        the file any more (what was done is in ``covered``). A range the storage fails is
+        the file any more (what was done is in ``pieces``). A range the storage fails is
         narrowed down to its bad pages; the rest of it is warmed."""
         outcome = _Outcome()
         if self._all_resident(file, ranges):
-            outcome.covered = list(ranges)
             outcome.verified = sum(b - a for a, b in ranges)
             outcome.done = time.monotonic()
             outcome.pieces = [(a, b, outcome.done) for a, b in ranges]
@@ -974,9 +980,8 @@ class Node:
             for start, stop in self._pieces(ranges):
                 # Stop between pieces when asked to make way, or when no live request
                 # names the file any more (its requests were cancelled).
-                if outcome.covered and (uid in self._preempt or file not in self._users):
+                if outcome.pieces and (uid in self._preempt or file not in self._users):
                     break
-                outcome.covered.append((start, stop))
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
                 if resident == stop - start:
                     outcome.verified += resident

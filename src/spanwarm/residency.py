@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import stat
 import time
 
@@ -113,9 +114,16 @@ def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 SAMPLE_STRIDE = 2 * 2**20  # sampled_resident looks at one page per this many bytes
-# A one-byte read the page cache answers takes microseconds; one slower than this went
-# to the storage or queued behind it (a cold page read inside the call, a busy device).
+# A one-byte read the page cache answers takes microseconds; one slower than this that
+# also slept went to the storage or queued behind it (a cold page read inside the call, a
+# busy device). One slower without sleeping was only preempted (a busy node's CPU).
 SLOW_SAMPLE_S = 50e-6
+
+
+def _sleeps() -> int:
+    """How often this thread has slept (voluntary context switches): waiting for a page or
+    a device queue sleeps; being preempted by another task does not."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
 def sampled_resident(
@@ -128,8 +136,9 @@ def sampled_resident(
 
     The kernel refuses such a read (``EAGAIN``) rather than wait for the storage, but it
     starts reading the page in (one page where ``fd`` has ``POSIX_FADV_RANDOM``), and that
-    may queue behind a busy device, or even finish inside the call. So a page refused or
-    read slower than ``SLOW_SAMPLE_S`` counts as missing, and the search stops once
+    may queue behind a busy device, or even finish inside the call. So a page refused, or
+    read slower than ``SLOW_SAMPLE_S`` by a thread that slept meanwhile, counts as missing
+    (a read only preempted on a busy CPU still counts as answered), and the search stops once
     ``misses`` pages were (a cold checkpoint shows after a few), after ``samples`` reads in
     all, or at ``deadline`` (``time.monotonic``); ranges not looked at are not resident.
     Returns the per-range answer and what is left of both budgets. Raises ``OSError``
@@ -139,6 +148,7 @@ def sampled_resident(
         raise ValueError("not a regular file: its residency means nothing")
     resident = np.zeros(len(lo), dtype=bool)
     byte = bytearray(1)
+    sleeps = _sleeps()  # looked at again only after a slow read: a syscall saved per page
     for i, (start, stop) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
         if misses <= 0 or samples <= 0 or time.monotonic() > deadline:
             break
@@ -155,7 +165,11 @@ def sampled_resident(
                 got = os.preadv(fd, [byte], at, os.RWF_NOWAIT)
             except BlockingIOError:  # EAGAIN: not in the page cache
                 got = 0
-            if got != 1 or time.perf_counter() - began > SLOW_SAMPLE_S:
+            slept = False
+            if time.perf_counter() - began > SLOW_SAMPLE_S:
+                now = _sleeps()
+                slept, sleeps = now != sleeps, now
+            if got != 1 or slept:
                 misses -= 1  # missing, past the end of the file, or from the storage
                 break
         else:

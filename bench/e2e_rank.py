@@ -137,6 +137,7 @@ def main() -> None:
         return
 
     start = start_together(args.barrier, args.local_rank, args.local_world)
+    cpu_start = time.process_time()  # the rank's CPU (all threads) from here to the end
 
     client = None
     ticket = None
@@ -198,6 +199,7 @@ def main() -> None:
         if first is None:
             first = time.monotonic() - start
     total = time.monotonic() - start
+    cpu = time.process_time() - cpu_start
     if ticket is not None:
         watcher.join()
     if client is not None:
@@ -209,6 +211,7 @@ def main() -> None:
                 "start": start,
                 "first_s": first,
                 "total_s": total,
+                "cpu_s": cpu,
                 "bytes": loaded,
                 "released": 0 if ticket is None else len(ticket.failures),
                 "request_s": requested,

@@ -299,3 +299,29 @@ def timed_waits(
     ticket.cancel()
     client.close()
     return took
+
+
+def test_what_a_rank_reads_itself_is_read_in_at_once_and_exactly(tmp_path: Path) -> None:
+    """The daemon knows the disk at 1 GB/s but is throttled to 1 MiB/s: the rank reads a
+    16 MiB tensor itself. Before it does, it asks the kernel for exactly those bytes, so
+    they are in the page cache within moments (the daemon alone would take 16 s), and
+    nothing around them is (a fault would have read a read-ahead window around itself).
+    The rank's descriptor for the hint closes with the request."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 64 * MiB, seed=13)
+    state = learned_state(tmp_path / "state", path, 1e9)
+    with running_daemon(*FLAGS, "--throttle", "1MiB", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        before = len(os.listdir("/proc/self/fd"))
+        ticket = client.request([span("a", path, 24 * MiB, 16 * MiB), span("b", path, 0, MiB)])
+        while not ticket.plan:
+            time.sleep(0.01)
+        assert ticket.wait_for_read("a", timeout=60) == "read"
+        answered = time.monotonic()
+        while resident(path, 24 * MiB, 16 * MiB) < 16 * MiB and time.monotonic() < answered + 8:
+            time.sleep(0.01)
+        assert resident(path, 24 * MiB, 16 * MiB) == 16 * MiB  # the hint, not the daemon
+        assert resident(path, 40 * MiB, 24 * MiB) == 0  # nothing past the tensor
+        assert not ticket.ready("a")  # still not reported ready: the daemon did not warm it
+        ticket.cancel()
+        client.close()
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint, grant
+from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
@@ -141,6 +142,7 @@ class Ticket:
         )
         self._own_bytes = 0
         self._own_seconds = 0.0
+        self._own_reads: OwnReads | None = None  # the spans to hint before such a read
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -175,11 +177,23 @@ class Ticket:
         :meth:`wait` does. On fast local storage ranks thus never queue behind the daemon;
         on a slow mount, where the daemon's many reads in flight beat one stream, they wait.
         A rank whose waits too often end with it reading the tensor itself stops waiting
-        (see :meth:`_daemon_behind`).
+        (see :meth:`_daemon_behind`). Before ``"read"`` for a tensor that is not warm, the
+        kernel is asked to start reading exactly its bytes (:mod:`.own_reads`): the
+        loader's faults then wait for those pages instead of reading whole read-ahead
+        windows around them.
         """
         i = self._index.get(name)
         if i is None:
             return "ready"
+        outcome = self._wait_for_read(i, timeout)
+        own_reads = self._own_reads  # once: the request may end (and drop it) meanwhile
+        if outcome == "read" and i in self._cold and own_reads is not None:
+            # Outside the lock: a busy device can hold the hint up, and the stream thread
+            # must go on marking tensors ready meanwhile.
+            own_reads.hint(i)
+        return outcome
+
+    def _wait_for_read(self, i: int, timeout: float | None) -> str:
         start = time.monotonic()
         limit = np.inf if timeout is None else start + timeout
         waited = False  # a bounded wait began: how it ends goes into _waits
@@ -402,8 +416,11 @@ class Ticket:
             self._state = [_RELEASED if s == _PENDING else s for s in self._state]
             self._pending = 0
             self._cond.notify_all()
-        self.finished.set()
+            own_reads, self._own_reads = self._own_reads, None
+            self.finished.set()  # under the lock: _consume sets _own_reads only before it
         self._report_due.set()  # the reporting thread, if any, ends
+        if own_reads is not None:
+            own_reads.close()
         return released
 
 
@@ -581,6 +598,12 @@ class Client:
                     request = _select_spans(request, ~resident[group_index])
                     if request is None:
                         return
+                own_reads = OwnReads.of(request)
+                with ticket._cond:
+                    if not ticket.finished.is_set():  # else released meanwhile: no hints
+                        ticket._own_reads, own_reads = own_reads, None
+                if own_reads is not None:
+                    own_reads.close()
             request = self._prove(ticket, request)
             if request is None or ticket.finished.is_set():  # cancelled or released meanwhile
                 return

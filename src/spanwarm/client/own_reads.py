@@ -1,0 +1,142 @@
+"""A rank's own cold reads, hinted to the kernel byte for byte before the loader reads.
+
+When :meth:`Ticket.wait_for_read` tells the loader to read a tensor that is not warm,
+the loader reads it through its own mapping or file object. A fault on a missing page of
+a mapping reads the device's whole read-ahead window around it (``read_ahead_kb``: 8 MiB
+on these VMs), so a 1 MiB slice costs 8 MiB, and scattered slices many times their
+bytes (transformers on ``local``: 270 MiB read for a 90 MiB node plan). Just before the
+loader reads, the rank asks for exactly the tensor's bytes with ``POSIX_FADV_WILLNEED``
+(as the daemon does before it populates): the kernel starts reading those pages, and a
+fault that then finds one in flight waits for it instead of reading around it.
+
+Descriptors are the rank's own, opened on the first hint per file (the rank may read
+these files: it is about to) and closed when the request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OwnReads"]
+
+logger = logging.getLogger("spanwarm.client")
+
+# The kernel cuts one WILLNEED to about max(read_ahead_kb, max_sectors_kb) of the device,
+# so longer ranges go in pieces of this (a size every device's window holds).
+_HINT_PIECE = 2 * 2**20
+# A strided span of up to this many rows is hinted row by row; one of more rows as its
+# envelope (what the loader's faults would read around those rows anyway).
+_ROWS_HINTED_ONE_BY_ONE = 64
+# Requests of more spans keep no spans for hints (about 36 bytes a span, held for the load).
+MAX_HINTED_SPANS = 2**20
+
+
+class OwnReads:
+    """The spans of each tensor (group) of a request, and the rank's descriptors for them."""
+
+    def __init__(self, request: Any) -> None:
+        group = np.asarray(request.group_index, dtype=np.int64)
+        order = np.argsort(group, kind="stable")
+        self._files = list(request.files)
+        self._file = np.asarray(request.file_index, dtype=np.int32)[order]
+        self._offset = np.asarray(request.offset, dtype=np.int64)[order]
+        self._length = np.asarray(request.length, dtype=np.int64)[order]
+        self._stride = np.asarray(request.stride, dtype=np.int64)[order]
+        self._count = np.asarray(request.count, dtype=np.int64)[order]
+        groups = int(group.max()) + 1 if len(group) else 0
+        self._ptr = np.searchsorted(group[order], np.arange(groups + 1))
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._in_flight = 0  # hints running outside the lock: descriptors stay open
+        self._ended = threading.Event()  # the request ended: no more hints
+
+    @classmethod
+    def of(cls, request: Any) -> OwnReads | None:
+        """None for a request too large to keep its spans for the load."""
+        return cls(request) if len(request.offset) <= MAX_HINTED_SPANS else None
+
+    def ranges(self, group: int) -> list[tuple[int, int, int]]:
+        """(file position, start, stop) to hint for one group, in its spans' order."""
+        if not 0 <= group < len(self._ptr) - 1:
+            return []
+        out: list[tuple[int, int, int]] = []
+        for i in range(int(self._ptr[group]), int(self._ptr[group + 1])):
+            f, off, length = int(self._file[i]), int(self._offset[i]), int(self._length[i])
+            stride, count = int(self._stride[i]), int(self._count[i])
+            if length <= 0 or count <= 0:
+                continue
+            if count == 1 or stride == length:
+                out.append((f, off, off + length * count))
+            elif count <= _ROWS_HINTED_ONE_BY_ONE:
+                out.extend((f, off + r * stride, off + r * stride + length) for r in range(count))
+            else:
+                out.append((f, off, off + (count - 1) * stride + length))
+        return out
+
+    def hint(self, group: int) -> None:
+        """Start reading the group's bytes (``WILLNEED``), without waiting for them; any
+        error only means no hint (the loader's read will say what is wrong). Nothing
+        blocks under the lock: an open or a hint on a hung file system holds up only the
+        thread about to read that file anyway."""
+        ranges = self.ranges(group)
+        if not ranges:
+            return
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self._in_flight += 1  # from here on no descriptor is closed under this hint
+        try:
+            fds = {f: self._descriptor(f) for f in {f for f, _, _ in ranges}}
+            for f, start, stop in ranges:
+                fd = fds[f]
+                if fd < 0:
+                    continue
+                for at in range(start, stop, _HINT_PIECE):
+                    os.posix_fadvise(fd, at, min(_HINT_PIECE, stop - at), os.POSIX_FADV_WILLNEED)
+        except OSError as exc:
+            logger.debug("spanwarm: no read-ahead hint for group %d: %s", group, exc)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if self._ended.is_set() and not self._in_flight:
+                    self._close_all()
+
+    def close(self) -> None:
+        """The request ended: close the descriptors (once no hint still uses them)."""
+        with self._lock:
+            self._ended.set()
+            if not self._in_flight:
+                self._close_all()
+
+    def _descriptor(self, position: int) -> int:
+        """The rank's descriptor for a file of the request, opened once (-1: it will not
+        open). Called with a hint in flight, so none is closed meanwhile."""
+        with self._lock:
+            fd = self._fds.get(position)
+        if fd is not None:
+            return fd
+        try:
+            fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except (OSError, IndexError):
+            fd = -1  # not hinted; the loader's own open says why
+        with self._lock:
+            kept = self._fds.setdefault(position, fd)
+        if kept != fd and fd >= 0:
+            os.close(fd)  # another thread opened it first
+        return kept
+
+    def _close_all(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if fd >= 0:
+                os.close(fd)
+
+    @property
+    def open_descriptors(self) -> int:
+        with self._lock:
+            return sum(1 for fd in self._fds.values() if fd >= 0)

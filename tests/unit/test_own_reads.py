@@ -1,0 +1,144 @@
+"""A rank's own cold reads are hinted byte for byte (real files in tmp_path).
+
+A fault on a missing page of a mapping reads the device's read-ahead window around it;
+a ``WILLNEED`` for exactly a tensor's bytes first makes the fault wait for those pages
+instead. Checked on this VM's disk (``read_ahead_kb`` 8192) with mincore.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spanwarm.client.client import Ticket
+from spanwarm.client.own_reads import OwnReads
+from spanwarm.residency import PAGE, resident_bytes
+from spanwarm.rpc.v1 import warmer_pb2
+from tests.daemon_harness import cold_file
+
+MiB = 2**20
+
+
+def request(files: list[str], spans: list[tuple[int, int, int, int, int, int]]) -> object:
+    """A WarmRequest of (file, offset, length, stride, count, group) spans."""
+    columns = list(zip(*spans, strict=True)) if spans else [()] * 6
+    return warmer_pb2.WarmRequest(
+        files=files,
+        file_index=columns[0],
+        offset=columns[1],
+        length=columns[2],
+        stride=columns[3],
+        count=columns[4],
+        group_index=columns[5],
+    )
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def settled_residency(fd: int, offset: int, length: int, want: int) -> int:
+    """Resident bytes of the range once the kernel's reads in flight have landed."""
+    deadline = time.monotonic() + 10
+    got = resident_bytes(fd, offset, length)
+    while got < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got = resident_bytes(fd, offset, length)
+    return got
+
+
+def test_each_group_gets_its_own_spans_rows_or_envelope() -> None:
+    reads = OwnReads(
+        request(
+            ["a", "b"],
+            [
+                (1, 500, 100, 100, 1, 2),  # one span
+                (0, 0, 10, 10, 4, 0),  # contiguous rows: one range
+                (0, 1000, 10, 100, 3, 0),  # strided, few rows: row by row
+                (1, 0, 8, 16, 1000, 1),  # strided, many rows: its envelope
+                (0, 7, 0, 0, 1, 2),  # empty: nothing
+            ],
+        )
+    )
+    assert reads.ranges(0) == [(0, 0, 40), (0, 1000, 1010), (0, 1100, 1110), (0, 1200, 1210)]
+    assert reads.ranges(1) == [(1, 0, 999 * 16 + 8)]
+    assert reads.ranges(2) == [(1, 500, 600)]
+    assert reads.ranges(3) == reads.ranges(-1) == []  # not in the request
+
+
+def test_a_hinted_read_through_a_mapping_reads_the_tensor_not_a_window(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 64 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapping:
+            # Unhinted, a fault reads around itself (on a device with read-ahead).
+            assert bytes(mapping[8 * MiB : 8 * MiB + MiB])
+            around = settled_residency(fd, 0, 32 * MiB, MiB)
+            if around <= MiB + 64 * 2**10:
+                pytest.skip(f"no read-around on this device ({around} bytes for 1 MiB)")
+            reads = OwnReads(request([str(path)], [(0, 40 * MiB, MiB, MiB, 1, 0)]))
+            reads.hint(0)
+            assert bytes(mapping[40 * MiB : 41 * MiB])
+            assert settled_residency(fd, 40 * MiB, MiB, MiB) == MiB
+            # Only the tensor: nothing of the window a fault would have read around it.
+            assert resident_bytes(fd, 32 * MiB, 32 * MiB) == MiB
+            reads.close()
+    finally:
+        os.close(fd)
+    assert around > 2 * MiB  # what the hint saved
+
+
+def test_descriptors_open_on_the_first_hint_and_close_with_the_request(tmp_path: Path) -> None:
+    paths = [cold_file(tmp_path / f"{i}.safetensors", 4 * MiB, seed=i) for i in range(3)]
+    spans = [(i, 0, PAGE, PAGE, 1, i) for i in range(3)] + [(0, PAGE, PAGE, PAGE, 1, 3)]
+    reads = OwnReads(request([*map(str, paths), str(tmp_path / "missing")], spans))
+    before = open_fds()
+    assert reads.open_descriptors == 0  # nothing opened for a load that reads nothing cold
+    reads.hint(0)
+    reads.hint(3)  # the same file: its descriptor again
+    assert (reads.open_descriptors, open_fds()) == (1, before + 1)
+    reads.hint(1)
+    assert open_fds() == before + 2
+    reads.close()
+    assert open_fds() == before
+    reads.hint(2)  # after the request ended: no hint, nothing opened
+    assert open_fds() == before
+    fd = os.open(paths[2], os.O_RDONLY)
+    try:
+        assert resident_bytes(fd, 0, PAGE) == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_file_that_will_not_open_is_not_hinted(tmp_path: Path) -> None:
+    reads = OwnReads(request([str(tmp_path / "gone")], [(0, 0, PAGE, PAGE, 1, 0)]))
+    reads.hint(0)  # no error: the loader's own open says what is wrong
+    assert reads.open_descriptors == 0
+    reads.close()
+
+
+def test_a_ticket_hints_what_it_tells_the_loader_to_read_cold(tmp_path: Path) -> None:
+    path = cold_file(tmp_path / "ckpt.safetensors", 32 * MiB)
+    ticket = Ticket(["cold", "warm"], [4 * MiB, 4 * MiB])
+    ticket._own_reads = OwnReads(
+        request([str(path)], [(0, 8 * MiB, 4 * MiB, 4 * MiB, 1, 0), (0, 0, MiB, MiB, 1, 1)])
+    )
+    ticket._read_yourself_s = np.array([0.001, 0.001])  # sooner read than waited for
+    ticket._mark([1], 1)  # "warm": ready, read from the page cache, no hint
+    assert ticket.wait_for_read("cold") == "read"
+    assert ticket.wait_for_read("warm") == "ready"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert settled_residency(fd, 8 * MiB, 4 * MiB, 4 * MiB) == 4 * MiB
+        assert resident_bytes(fd, 0, 8 * MiB) == 0  # the ready one was not hinted
+        assert resident_bytes(fd, 12 * MiB, 20 * MiB) == 0
+    finally:
+        os.close(fd)
+    before = open_fds()
+    ticket._release()  # the request ends: its descriptor goes
+    assert open_fds() == before - 1

@@ -149,9 +149,6 @@ def sampled_resident(
         raise ValueError("not a regular file: its residency means nothing")
     resident = np.zeros(len(lo), dtype=bool)
     byte = bytearray(1)
-    # Looked at again only after a slow read (a syscall saved per page): a preemption
-    # since the last look is taken for this read's.
-    switches = _switches()
     for i, (start, stop) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
         if misses <= 0 or samples <= 0 or time.monotonic() > deadline:
             break
@@ -163,6 +160,7 @@ def sampled_resident(
             break  # not all of it can be looked at: the rest is not known resident
         for at in places:
             samples -= 1
+            switches = _switches()  # this read's own: an earlier preemption excuses nothing
             began = time.perf_counter()
             try:
                 got = os.preadv(fd, [byte], at, os.RWF_NOWAIT)
@@ -172,7 +170,6 @@ def sampled_resident(
             if slow:
                 now = _switches()
                 slow = now[0] != switches[0] or now[1] == switches[1]  # slept, or not preempted
-                switches = now
             if got != 1 or slow:
                 misses -= 1  # missing, past the end of the file, or from the storage
                 break

@@ -66,9 +66,20 @@ def test_each_group_gets_its_own_spans_rows_or_envelope() -> None:
         )
     )
     assert reads.ranges(0) == [(0, 0, 40), (0, 1000, 1010), (0, 1100, 1110), (0, 1200, 1210)]
-    assert reads.ranges(1) == [(1, 0, 999 * 16 + 8)]
+    assert reads.ranges(1) == [(1, 0, 999 * 16 + 8)]  # the envelope: twice its bytes
     assert reads.ranges(2) == [(1, 500, 600)]
     assert reads.ranges(3) == reads.ranges(-1) == []  # not in the request
+
+
+def test_a_hint_never_reads_much_more_than_the_tensor_nor_too_much_at_once() -> None:
+    rows = [(0, 0, 4096, 64 * MiB, 100, 0), (0, 0, 4096, 64 * MiB, 2000, 1)]  # sparse rows
+    big = [(0, 0, 100 * MiB, 100 * MiB, 1, 2), (0, 200 * MiB, MiB, MiB, 1, 2)]
+    reads = OwnReads(request(["a"], [*rows, *big]))
+    # Rows 64 MiB apart: row by row, not the 6.3 GiB envelope; too many rows: no hint.
+    assert reads.ranges(0) == [(0, r * 64 * MiB, r * 64 * MiB + 4096) for r in range(100)]
+    assert reads.ranges(1) == []
+    # A large tensor: only its first 32 MiB (its reads' own read-ahead covers the rest).
+    assert reads.ranges(2) == [(0, 0, 32 * MiB)]
 
 
 def test_a_hinted_read_through_a_mapping_reads_the_tensor_not_a_window(tmp_path: Path) -> None:
@@ -77,13 +88,13 @@ def test_a_hinted_read_through_a_mapping_reads_the_tensor_not_a_window(tmp_path:
     try:
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapping:
             # Unhinted, a fault reads around itself (on a device with read-ahead).
-            assert bytes(mapping[8 * MiB : 8 * MiB + MiB])
+            _ = mapping[8 * MiB : 8 * MiB + MiB]  # a copy: every page faulted in
             around = settled_residency(fd, 0, 32 * MiB, MiB)
             if around <= MiB + 64 * 2**10:
                 pytest.skip(f"no read-around on this device ({around} bytes for 1 MiB)")
             reads = OwnReads(request([str(path)], [(0, 40 * MiB, MiB, MiB, 1, 0)]))
             reads.hint(0)
-            assert bytes(mapping[40 * MiB : 41 * MiB])
+            _ = mapping[40 * MiB : 41 * MiB]
             assert settled_residency(fd, 40 * MiB, MiB, MiB) == MiB
             # Only the tensor: nothing of the window a fault would have read around it.
             assert resident_bytes(fd, 32 * MiB, 32 * MiB) == MiB
@@ -140,5 +151,6 @@ def test_a_ticket_hints_what_it_tells_the_loader_to_read_cold(tmp_path: Path) ->
     finally:
         os.close(fd)
     before = open_fds()
-    ticket._release()  # the request ends: its descriptor goes
+    ticket._mark([0], 1)  # nothing pending: nothing more to hint, its descriptor goes
     assert open_fds() == before - 1
+    assert ticket._own_reads is None

@@ -58,7 +58,7 @@ _RESIDENT_SLACK_SHARE = 8
 # milliseconds): past that, tensors count as not resident.
 _RESIDENCY_SCAN_BYTES = 64 * 2**30
 # Where mincore cannot be believed, pages are sampled instead (residency.sampled_resident):
-# at most this many one-byte reads per request (about 15 ms), for at most this long (a
+# at most this many one-byte reads per request (about 20 ms), for at most this long (a
 # busy device can hold each up), and no more after this many pages found missing (each
 # one is read in: a cold checkpoint costs that many pages).
 _SAMPLED_READS, _SAMPLED_SECONDS, _SAMPLED_MISSES = 8192, 0.02, 16
@@ -189,7 +189,7 @@ class Ticket:
         own_reads = self._own_reads  # once: the request may end (and drop it) meanwhile
         if outcome == "read" and i in self._cold and own_reads is not None:
             # Outside the lock: a busy device can hold the hint up, and the stream thread
-            # must go on marking tensors ready meanwhile.
+            # must go on marking tensors ready meanwhile. (hint() raises nothing.)
             own_reads.hint(i)
         return outcome
 
@@ -408,6 +408,19 @@ class Ticket:
                     if reason:
                         self.failures[self._names[i]] = reason
             self._cond.notify_all()
+            own_reads = None
+            if not self._pending:  # nothing left to read cold: no more hints
+                own_reads, self._own_reads = self._own_reads, None
+        if own_reads is not None:
+            own_reads.close()
+
+    def _keep_own_reads(self, own_reads: OwnReads | None) -> None:
+        """Hint this request's cold reads from now on (not once nothing is pending)."""
+        with self._cond:
+            if self._pending and not self.finished.is_set():
+                self._own_reads, own_reads = own_reads, None
+        if own_reads is not None:
+            own_reads.close()
 
     def _release(self) -> int:
         """Everything still pending is released to be read cold; returns how many."""
@@ -598,12 +611,6 @@ class Client:
                     request = _select_spans(request, ~resident[group_index])
                     if request is None:
                         return
-                own_reads = OwnReads.of(request)
-                with ticket._cond:
-                    if not ticket.finished.is_set():  # else released meanwhile: no hints
-                        ticket._own_reads, own_reads = own_reads, None
-                if own_reads is not None:
-                    own_reads.close()
             request = self._prove(ticket, request)
             if request is None or ticket.finished.is_set():  # cancelled or released meanwhile
                 return
@@ -617,6 +624,8 @@ class Client:
             ticket._call = call
             if ticket.finished.is_set():  # cancel() or the watchdog ran before _call was set
                 call.cancel()
+            if self.read_yourself:  # while the daemon admits it: off the request's path
+                ticket._keep_own_reads(OwnReads.of(request))
             for event in call:
                 kind = event.WhichOneof("event")
                 if kind == "heartbeat":

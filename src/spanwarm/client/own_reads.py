@@ -10,7 +10,7 @@ loader reads, the rank asks for exactly the tensor's bytes with ``POSIX_FADV_WIL
 fault that then finds one in flight waits for it instead of reading around it.
 
 Descriptors are the rank's own, opened on the first hint per file (the rank may read
-these files: it is about to) and closed when the request ends.
+these files: it is about to) and closed once no tensor of the request is pending.
 """
 
 from __future__ import annotations
@@ -29,9 +29,15 @@ logger = logging.getLogger("spanwarm.client")
 # The kernel cuts one WILLNEED to about max(read_ahead_kb, max_sectors_kb) of the device,
 # so longer ranges go in pieces of this (a size every device's window holds).
 _HINT_PIECE = 2 * 2**20
-# A strided span of up to this many rows is hinted row by row; one of more rows as its
-# envelope (what the loader's faults would read around those rows anyway).
-_ROWS_HINTED_ONE_BY_ONE = 64
+# A strided span whose envelope is at most this many times its bytes is hinted whole;
+# else row by row, for up to _ROWS_HINTED rows (a span of more is not hinted: the rank
+# reads it as it would without spanwarm). Never more than twice a tensor's own bytes.
+_ENVELOPE_SHARE = 2
+_ROWS_HINTED = 1024
+# Only a tensor's first bytes are hinted: the loader's faults are waste only around small
+# slices (a large contiguous read's read-ahead windows are its own bytes), and a hint
+# blocks once the device's queue is full, which must not hold the loader up for long.
+_HINTED_BYTES = 32 * 2**20
 # Requests of more spans keep no spans for hints (about 36 bytes a span, held for the load).
 MAX_HINTED_SPANS = 2**20
 
@@ -61,21 +67,32 @@ class OwnReads:
         return cls(request) if len(request.offset) <= MAX_HINTED_SPANS else None
 
     def ranges(self, group: int) -> list[tuple[int, int, int]]:
-        """(file position, start, stop) to hint for one group, in its spans' order."""
+        """(file position, start, stop) to hint for one group, in its spans' order: its
+        spans' bytes (a strided span's envelope where that is at most twice its bytes),
+        up to ``_HINTED_BYTES`` of them."""
         if not 0 <= group < len(self._ptr) - 1:
             return []
         out: list[tuple[int, int, int]] = []
+        budget = _HINTED_BYTES
         for i in range(int(self._ptr[group]), int(self._ptr[group + 1])):
             f, off, length = int(self._file[i]), int(self._offset[i]), int(self._length[i])
             stride, count = int(self._stride[i]), int(self._count[i])
             if length <= 0 or count <= 0:
                 continue
             if count == 1 or stride == length:
-                out.append((f, off, off + length * count))
-            elif count <= _ROWS_HINTED_ONE_BY_ONE:
-                out.extend((f, off + r * stride, off + r * stride + length) for r in range(count))
+                rows = [(off, off + length * count)]
+            elif 0 < stride <= _ENVELOPE_SHARE * length:
+                rows = [(off, off + (count - 1) * stride + length)]
+            elif count <= _ROWS_HINTED:
+                rows = [(off + r * stride, off + r * stride + length) for r in range(count)]
             else:
-                out.append((f, off, off + (count - 1) * stride + length))
+                continue
+            for start, stop in rows:
+                stop = min(stop, start + budget)
+                out.append((f, start, stop))
+                budget -= stop - start
+                if budget <= 0:
+                    return out
         return out
 
     def hint(self, group: int) -> None:
@@ -98,31 +115,34 @@ class OwnReads:
                     continue
                 for at in range(start, stop, _HINT_PIECE):
                     os.posix_fadvise(fd, at, min(_HINT_PIECE, stop - at), os.POSIX_FADV_WILLNEED)
-        except OSError as exc:
+        except Exception as exc:  # a hint must never fail the read it is for
             logger.debug("spanwarm: no read-ahead hint for group %d: %s", group, exc)
         finally:
             with self._lock:
                 self._in_flight -= 1
-                if self._ended.is_set() and not self._in_flight:
-                    self._close_all()
+                last = self._ended.is_set() and not self._in_flight
+            if last:
+                self._close_all()
 
     def close(self) -> None:
-        """The request ended: close the descriptors (once no hint still uses them)."""
+        """No more hints: close the descriptors (once no hint still uses them)."""
         with self._lock:
             self._ended.set()
-            if not self._in_flight:
-                self._close_all()
+            last = not self._in_flight
+        if last:
+            self._close_all()
 
     def _descriptor(self, position: int) -> int:
         """The rank's descriptor for a file of the request, opened once (-1: it will not
-        open). Called with a hint in flight, so none is closed meanwhile."""
+        open). Called with a hint in flight, so none is closed meanwhile; one opened
+        after the last close began is closed by the hint's own end."""
         with self._lock:
             fd = self._fds.get(position)
         if fd is not None:
             return fd
         try:
             fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             fd = -1  # not hinted; the loader's own open says why
         with self._lock:
             kept = self._fds.setdefault(position, fd)
@@ -131,10 +151,15 @@ class OwnReads:
         return kept
 
     def _close_all(self) -> None:
-        fds, self._fds = self._fds, {}
+        """Outside the lock: a close on FUSE waits for the server's FLUSH."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
         for fd in fds.values():
             if fd >= 0:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError as exc:  # a flush error: the descriptor is gone all the same
+                    logger.debug("spanwarm: closing a hint descriptor: %s", exc)
 
     @property
     def open_descriptors(self) -> int:

@@ -92,34 +92,6 @@ def test_small_spans_read_only_their_own_pages(cold_file: ColdFile, method: Warm
     assert resident_bytes(fd, 0, 32 * MiB) <= wanted + 2 * PAGE * len(spans)
 
 
-def test_populating_pages_a_loader_read_around_starts_no_read_ahead(
-    cold_file: ColdFile,
-) -> None:
-    """A loader's fault on a cold page of its mapping reads a window around it and marks
-    a page there for read-ahead; a fault of the daemon's on that marked page would start
-    the next window, beyond what it was asked to warm."""
-    import mmap
-
-    if not populate_supported():
-        pytest.skip("no MADV_POPULATE_READ")
-    path, fd = cold_file(64 * MiB)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as loader:
-        _ = loader[16 * MiB]  # the loader's read: one fault, its window around it
-        deadline = time.monotonic() + 5
-        while resident_bytes(fd, 0, 64 * MiB) < 2 * MiB and time.monotonic() < deadline:
-            time.sleep(0.01)
-        window = resident_bytes(fd, 0, 64 * MiB)
-        if window < 2 * MiB:
-            pytest.skip(f"no read-around on this device ({window} bytes for one fault)")
-        pages = [i for i in range(0, 64 * MiB, PAGE) if resident_bytes(fd, i, PAGE)]
-        lo, hi = pages[0], pages[-1] + PAGE  # the window: warm all of it again
-        engine = WarmEngine(WarmMethod.POPULATE)
-        engine.warm(fd, [(lo, hi)])
-        time.sleep(0.5)  # a read-ahead it started would be landing by now
-        assert resident_bytes(fd, hi, 64 * MiB - hi) == 0
-        assert resident_bytes(fd, 0, lo) == 0
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_eight_threads_share_one_engine(cold_file: ColdFile, method: WarmMethod) -> None:
     _, fd = cold_file(64 * MiB)

@@ -215,10 +215,6 @@ class WarmEngine:
         start = off - off % PAGE
         length = end - start
         with mapped(fd, start, length) as addr:
-            # And no read-ahead from the faults: a page a loader's fault read around itself
-            # carries the kernel's read-ahead mark, and a fault of ours on it would start
-            # the next window (8 MiB here) beyond the range.
-            madvise(addr, length, mmap.MADV_RANDOM)
             err = madvise(addr, length, MADV_POPULATE_READ)
         if err == errno.EFAULT and os.fstat(fd).st_size < end:
             raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS

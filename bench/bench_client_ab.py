@@ -2,13 +2,14 @@
 
     git worktree add /tmp/base <commit>
     .venv/bin/python bench/bench_client_ab.py --base-src /tmp/base/src [--load tf|per-expert|packed]
-        [--reps 7] [--data /var/tmp/spanwarm-bench]
+        [--resident] [--reps 7] [--data /var/tmp/spanwarm-bench]
 
 One daemon (this tree's) on the ``local`` mount; per repetition the three arms run in a
 shuffled order on a freshly evicted page cache, the base arm's ranks with ``PYTHONPATH``
 at the other tree's ``src`` (the editable install is a plain ``.pth``, so that wins).
 ``tf``: transformers' ``from_pretrained`` (bench_transformers_load.py's model and ranks);
-``per-expert``/``packed``: bench_end_to_end.py's load. Prints each run's wall time and
+``per-expert``/``packed``: bench_end_to_end.py's load. ``--resident``: every run finds
+the checkpoint in the page cache (the "already resident" case). Prints each run's wall time and
 bytes read from storage, then medians and paired ratios.
 """
 
@@ -39,6 +40,11 @@ def main() -> None:
     parser.add_argument("--load", default="tf", choices=("tf", "per-expert", "packed"))
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
+    parser.add_argument(
+        "--resident",
+        action="store_true",
+        help="load with the checkpoint in the page cache (read whole before each run)",
+    )
     args = parser.parse_args()
     extra: tuple[str, ...] = ()
     if args.load == "tf":
@@ -56,6 +62,8 @@ def main() -> None:
         paths = sorted(checkpoint.glob("*.safetensors"))
 
         def run(arm: str) -> dict[str, float]:
+            for path in paths if args.resident else ():
+                path.read_bytes()  # what idle reclaim took back since the last run
             result: dict[str, float] = e2e.run_local_ranks(
                 script,
                 "none" if arm == "none" else "spanwarm",
@@ -67,6 +75,7 @@ def main() -> None:
                 local_world=2,
                 extra=extra,
                 stderr=stderr,
+                cold=not args.resident,
             )
             return result
 

@@ -333,3 +333,44 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
         assert ticket._resident.tolist() == [True]  # root can
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path: Path) -> None:
+    """Residency is published file by file: the loader's first tensor (first file, in the
+    page cache) is read at once, not after mincore has gone through the rank's whole
+    share. The second file is a sparse 48 GiB one: checking it takes the kernel a page
+    lookup each, most of a second here."""
+    import threading
+
+    from spanwarm.client.client import Ticket, _note_residency
+    from spanwarm.rpc.v1 import warmer_pb2
+
+    first = write_file(tmp_path / "first.bin", 16 * PAGE)
+    first.read_bytes()
+    later = tmp_path / "later.bin"
+    with later.open("wb") as f:
+        f.truncate(48 * 2**30)
+    request = warmer_pb2.WarmRequest(
+        files=[str(first), str(later)],
+        groups=["a", "b"],
+        file_index=[0, 1],
+        offset=[0, 0],
+        length=[16 * PAGE, 48 * 2**30],
+        stride=[16 * PAGE, 48 * 2**30],
+        count=[1, 1],
+        group_index=[0, 1],
+    )
+    ticket = Ticket(["a", "b"], [16 * PAGE, 48 * 2**30])
+    finished: list[float] = []
+
+    def check() -> None:
+        _note_residency(ticket, request)
+        finished.append(time.monotonic())
+
+    checker = threading.Thread(target=check)
+    checker.start()
+    assert ticket.wait_for_read("a", timeout=30) == "read"
+    answered = time.monotonic()
+    checker.join()
+    assert ticket._resident.tolist() == [True, False]
+    assert finished[0] - answered > 0.1, finished[0] - answered  # not after the whole check

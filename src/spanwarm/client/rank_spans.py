@@ -210,7 +210,10 @@ def rank_spans(
     by_state_key: dict[str, list[tuple[str, Converted | None, int]]] = {}
     collected: dict[tuple[str, str], int] = {}  # (target, source pattern) -> pieces so far
     unmatched_names: list[str] = []
-    for name in sorted(ckpt.pieces, key=natural_key):
+    # Pieces are numbered in transformers' order; with no conversion nothing is numbered,
+    # and the sort (milliseconds per thousand keys) would only delay the request.
+    names = sorted(ckpt.pieces, key=natural_key) if conversions or key_map else ckpt.pieces
+    for name in names:
         route = _route(name, to_state_key, conversions)
         key = route.target if isinstance(route, Converted) else route
         if key is None or key not in state_dict:

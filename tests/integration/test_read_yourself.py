@@ -325,3 +325,25 @@ def test_what_a_rank_reads_itself_is_read_in_at_once_and_exactly(tmp_path: Path)
         ticket.cancel()
         client.close()
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_the_daemon_skips_what_a_rank_has_read_itself(tmp_path: Path) -> None:
+    """A rank that read tensors itself before they were ready (sooner than waiting) says
+    so with its consumption reports: the daemon warms nothing more for them, and the
+    request still ends. Throttled, the daemon needs a second per tensor; "c" and "d" are
+    reported read at once, so it has not begun them."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 16 * MiB)
+    names = ["a", "b", "c", "d"]
+    tensors = [span(n, path, i * 4 * MiB, 4 * MiB) for i, n in enumerate(names)]
+    with running_daemon(*FLAGS, "--throttle", "4MiB") as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(tensors)
+        ticket.consumed(["c", "d"])  # as a rank reports its own reads (sent with the plan)
+        assert ticket.wait(["a", "b"], timeout=60)
+        ticket.consumed(["a", "b"])
+        assert ticket.finished.wait(timeout=30), "the request did not end"
+        status = client.status()
+        assert ticket.progress.ready == 2
+        assert status["bytes_read_total"] == 8 * MiB
+        assert resident(path, 8 * MiB, 8 * MiB) == 0  # "c" and "d": never read
+        client.close()

@@ -113,6 +113,9 @@ class Cell:
     # --evict-after-read: what the daemon itself brought in from storage here (bytes that
     # were resident before it came are someone else's, and stay).
     fetched: tuple[Range, ...] = ()
+    # A rank read its bytes here before they were warm, and the cell was dropped from its
+    # request: not warmed in the background either (only a request waiting on it does).
+    read_first: bool = False
 
     def wait(self, request: Request) -> None:
         if request not in self.waiters:
@@ -374,8 +377,18 @@ class Node:
         return sum(r.nbytes for r in self._requests if r.uid == uid)
 
     def consumed(self, request: Request, groups: Iterable[int]) -> None:
-        """A rank read these groups: cells nobody else holds stop counting against the budget."""
+        """A rank read these groups: cells nobody else holds stop counting against the
+        budget, and a cell where the rank has read everything it asked for is no longer
+        warmed for it. A rank reads a tensor before it is ready when reading it itself is
+        sooner (``Ticket.wait_for_read``): on fast storage, for many of its tensors, and
+        warming their cells afterwards only took the node's CPU and workers from the
+        tensors it has not reached. (Other requests waiting on the cell still get it.)"""
         for key in request.consume(groups):
+            if key in request.pending:  # read before the daemon got to it: not needed
+                request.pending.discard(key)
+                skipped = self._cells.setdefault(key, Cell())
+                skipped.unwait(request)
+                skipped.read_first = True
             self._unhold(key, request)
             self._release_if_free(key)
             cell = self._cells.get(key)
@@ -383,6 +396,7 @@ class Node:
                 cell.read = True
             self._evict_if_done(key)
             self._wake.set()  # even if another rank still holds the cell: this one may go on
+        self._finish_if_resolved(request)
 
     def _evict_if_done(self, key: CellKey) -> None:
         """--evict-after-read: drop the bytes the daemon read into a cell once a rank has
@@ -759,7 +773,10 @@ class Node:
         starting = {
             r
             for r in requests
-            if r.groups and r.state[0] == PENDING and self._first_tensor_cell(r, False) is not None
+            if r.groups
+            and r.state[0] == PENDING
+            and not r.consumed[0]  # read by the rank itself: not waited for
+            and self._first_tensor_cell(r, False) is not None
         }
         participants: list[Request | None] = [*requests, None]
         turn = self._turns.get(uid, 0)
@@ -776,7 +793,11 @@ class Node:
                 cell = self._cells.get(key)
                 if who is not None and key not in who.pending:
                     continue
-                if who is None and cell is not None and (cell.waiters or cell.warm):
+                if (
+                    who is None
+                    and cell is not None
+                    and (cell.waiters or cell.warm or cell.read_first)
+                ):
                     continue  # a request's cell: it goes (or went) in that request's turn
                 if (cell is not None and cell.in_flight) or key[0] not in self._plans:
                     continue  # in flight: its waiters are re-checked when it completes
@@ -812,7 +833,7 @@ class Node:
 
     def _first_tensor_cell(self, request: Request, over_budget: bool) -> CellKey | None:
         """A cell of the request's first tensor not ready yet that may be warmed now."""
-        pending = np.flatnonzero(request.state == PENDING)
+        pending = np.flatnonzero(request.waiting)
         if not pending.size:
             return None
         for key in request.group_cells(int(pending[0])):

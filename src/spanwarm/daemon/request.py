@@ -260,7 +260,7 @@ class Request:
         without it, nothing would ever be read and released. A rank still holding unread
         tensors it can read now waits; held cells whose unread tensors all come after the
         first pending one cannot be read before it, so they do not hold it back."""
-        pending = np.flatnonzero(self.state == PENDING)
+        pending = np.flatnonzero(self.waiting)
         if not pending.size:
             return False
         first = int(pending[0])
@@ -296,8 +296,16 @@ class Request:
         return int(self.group_bytes.sum())
 
     @property
+    def waiting(self) -> npt.NDArray[np.bool_]:
+        """Per group: still to be warmed for the rank, neither ready nor failed nor
+        reported read (a rank that read a tensor itself before it was ready needs
+        nothing of it any more)."""
+        waiting: npt.NDArray[np.bool_] = (self.state == PENDING) & ~self.consumed
+        return waiting
+
+    @property
     def resolved(self) -> bool:
-        return not bool((self.state == PENDING).any())
+        return not bool(self.waiting.any())
 
     def __hash__(self) -> int:
         return self.id

@@ -339,11 +339,14 @@ def test_the_daemon_skips_what_a_rank_has_read_itself(tmp_path: Path) -> None:
         client = Client(daemon.socket)
         ticket = client.request(tensors)
         ticket.consumed(["c", "d"])  # as a rank reports its own reads (sent with the plan)
-        assert ticket.wait(["a", "b"], timeout=60)
+        assert ticket.progress.read == 2
+        assert ticket.wait(timeout=60)  # "a" and "b" warm; nothing waits for "c" and "d"
+        assert ticket.ready("a")
+        assert ticket.ready("b")
         ticket.consumed(["a", "b"])
         assert ticket.finished.wait(timeout=30), "the request did not end"
         status = client.status()
-        assert ticket.progress.ready == 2
+        assert (ticket.progress.ready, ticket.progress.read) == (2, 2)
         assert status["bytes_read_total"] == 8 * MiB
         assert resident(path, 8 * MiB, 8 * MiB) == 0  # "c" and "d": never read
         client.close()

@@ -45,7 +45,8 @@ __all__ = ["Client", "Progress", "Ticket", "message_dict"]
 
 logger = logging.getLogger("spanwarm.client")
 
-_PENDING, _READY, _FAILED, _RELEASED, _RESIDENT = 0, 1, 2, 3, 4
+# _READ_FIRST: read by this rank before it was warm (reported with Ticket.consumed).
+_PENDING, _READY, _FAILED, _RELEASED, _RESIDENT, _READ_FIRST = 0, 1, 2, 3, 4, 5
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
@@ -94,10 +95,13 @@ class Progress:
     bytes_ready: int
     resident: int = 0
     """Tensors in the page cache when the request went out: read at once, not asked for."""
+    read: int = 0
+    """Tensors this rank read before they were warm (reading was sooner than waiting) and
+    reported read: the daemon warms them no more."""
 
     @property
     def done(self) -> bool:
-        return self.ready + self.failed + self.resident == self.groups
+        return self.ready + self.failed + self.resident + self.read == self.groups
 
 
 class Ticket:
@@ -283,13 +287,15 @@ class Ticket:
                 bytes_total=sum(self._bytes),
                 bytes_ready=sum(self._bytes[i] for i in ready),
                 resident=sum(1 for s in self._state if s == _RESIDENT),
+                read=sum(1 for s in self._state if s == _READ_FIRST),
             )
 
     def consumed(self, names: Iterable[str]) -> None:
         """Tell the daemon these tensors have been read: under a memory budget, warming
-        moves on to the next ones. Returns at once: reports go out in batches, at most
-        ``_REPORT_DELAY`` later (a loader of many small tensors would otherwise spend a
-        gRPC call on each, on cores the load needs)."""
+        moves on to the next ones, and one read before it was warm is warmed no more
+        (nothing waits for it either: it counts in ``progress.read``). Returns at once:
+        reports go out in batches, at most ``_REPORT_DELAY`` later (a loader of many small
+        tensors would otherwise spend a gRPC call on each, on cores the load needs)."""
         with self._cond:
             if self.finished.is_set():
                 return  # the stream is over, or never began: no request to tell
@@ -299,15 +305,18 @@ class Ticket:
                 if i is not None and self._state[i] != _RESIDENT  # never asked for
             ]
             self._unreported.extend(groups)
-            if self._request_id is None or self._report is None or self._flushing:
-                return  # sent once the plan arrives, or with the batch already due
-            self._flushing = True
-            if self._reporter is None:  # one thread per load, not one per batch
-                self._reporter = threading.Thread(
-                    target=self._send_reports, name="spanwarm-reports", daemon=True
-                )
-                self._reporter.start()
-        self._report_due.set()
+            due = not (self._request_id is None or self._report is None or self._flushing)
+            if due:  # else sent once the plan arrives, or with the batch already due
+                self._flushing = True
+                if self._reporter is None:  # one thread per load, not one per batch
+                    self._reporter = threading.Thread(
+                        target=self._send_reports, name="spanwarm-reports", daemon=True
+                    )
+                    self._reporter.start()
+        # Those still pending; outside the lock, as it may close descriptors.
+        self._mark(groups, _READ_FIRST, progress=False)
+        if due:
+            self._report_due.set()
 
     def _send_reports(self) -> None:
         """Send each batch ``_REPORT_DELAY`` after its first report, until the load ends."""
@@ -398,9 +407,14 @@ class Ticket:
         with self._cond:
             return time.monotonic() - self._progress_at if self._pending else 0.0
 
-    def _mark(self, groups: Iterable[int], state: int, reason: str = "") -> None:
+    def _mark(
+        self, groups: Iterable[int], state: int, reason: str = "", *, progress: bool = True
+    ) -> None:
+        """Move pending groups to ``state``; ``progress``: the daemon's (the watchdog's
+        measure), not the rank's own reads."""
         with self._cond:
-            self._progress_at = time.monotonic()
+            if progress:
+                self._progress_at = time.monotonic()
             for i in groups:
                 if 0 <= i < len(self._state) and self._state[i] == _PENDING:
                     self._state[i] = state

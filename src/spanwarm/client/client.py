@@ -271,8 +271,9 @@ class Ticket:
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, was resident when the request went out (read it
-        now; a few pages of it may be missing, see ``_note_residency``), was released, or
-        is not part of the request."""
+        now; a few pages of it may be missing, see ``_note_residency``), was reported read
+        (:meth:`consumed`) before it was warm, was released, or is not part of the
+        request."""
         i = self._index.get(name)
         return i is None or self._state[i] != _PENDING
 
@@ -305,6 +306,7 @@ class Ticket:
                 if i is not None and self._state[i] != _RESIDENT  # never asked for
             ]
             self._unreported.extend(groups)
+            read_first = [i for i in groups if self._state[i] == _PENDING]
             due = not (self._request_id is None or self._report is None or self._flushing)
             if due:  # else sent once the plan arrives, or with the batch already due
                 self._flushing = True
@@ -313,8 +315,8 @@ class Ticket:
                         target=self._send_reports, name="spanwarm-reports", daemon=True
                     )
                     self._reporter.start()
-        # Those still pending; outside the lock, as it may close descriptors.
-        self._mark(groups, _READ_FIRST, progress=False)
+        if read_first:  # outside the lock: marking the last pending one closes descriptors
+            self._mark(read_first, _READ_FIRST, progress=False)
         if due:
             self._report_due.set()
 

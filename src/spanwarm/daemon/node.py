@@ -382,9 +382,11 @@ class Node:
         warmed for it. A rank reads a tensor before it is ready when reading it itself is
         sooner (``Ticket.wait_for_read``): on fast storage, for many of its tensors, and
         warming their cells afterwards only took the node's CPU and workers from the
-        tensors it has not reached. (Other requests waiting on the cell still get it.)"""
+        tensors it has not reached. (Other requests waiting on the cell still get it.)
+        Only for a request in the node plan: one still being admitted has nothing warmed
+        or queued yet, and its stream must begin with its plan, not end before it."""
         for key in request.consume(groups):
-            if key in request.pending:  # read before the daemon got to it: not needed
+            if request.active and key in request.pending:  # read before it was warmed
                 request.pending.discard(key)
                 skipped = self._cells.setdefault(key, Cell())
                 skipped.unwait(request)
@@ -396,7 +398,8 @@ class Node:
                 cell.read = True
             self._evict_if_done(key)
             self._wake.set()  # even if another rank still holds the cell: this one may go on
-        self._finish_if_resolved(request)
+        if request.active and request.read_first:
+            self._finish_if_resolved(request)
 
     def _evict_if_done(self, key: CellKey) -> None:
         """--evict-after-read: drop the bytes the daemon read into a cell once a rank has
@@ -905,7 +908,9 @@ class Node:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            outcome = await loop.run_in_executor(self._pool, self._warm_blocking, file, ranges, uid)
+            outcome = await loop.run_in_executor(
+                self._pool, self._warm_blocking, file, ranges, uid, self._cells[key]
+            )
         except FileChangedError as exc:
             self._fail_file(file, exc.grpc_code, exc.cause)
         except OSError as exc:  # the file could not even be opened again
@@ -986,10 +991,11 @@ class Node:
                     size = max(_MIN_PIECE, size // 2)
                 start = end
 
-    def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int) -> _Outcome:
+    def _warm_blocking(self, file: OpenFile, ranges: list[Range], uid: int, cell: Cell) -> _Outcome:
         """Runs in a worker: warm what is not already resident, piece by piece, stopping
-        between pieces when ``uid`` is asked to make way (``_to_preempt``) or nobody needs
-        the file any more (what was done is in ``pieces``). A range the storage fails is
+        between pieces when ``uid`` is asked to make way (``_to_preempt``), nobody needs
+        the file any more, or nobody waits for the cell since its ranks read it themselves
+        (what was done is in ``pieces``). A range the storage fails is
         narrowed down to its bad pages; the rest of it is warmed."""
         outcome = _Outcome()
         if self._all_resident(file, ranges):
@@ -999,9 +1005,14 @@ class Node:
             return outcome
         with file.stream() as fd:
             for start, stop in self._pieces(ranges):
-                # Stop between pieces when asked to make way, or when no live request
-                # names the file any more (its requests were cancelled).
-                if outcome.pieces and (uid in self._preempt or file not in self._users):
+                # Stop between pieces when asked to make way, when no live request
+                # names the file any more (its requests were cancelled), or when the
+                # ranks that waited here have read the cell themselves.
+                if outcome.pieces and (
+                    uid in self._preempt
+                    or file not in self._users
+                    or (cell.read_first and not cell.waiters)
+                ):
                     break
                 resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
                 if resident == stop - start:
@@ -1139,7 +1150,7 @@ class Node:
         self._finish_if_resolved(request)
 
     def _finish_if_resolved(self, request: Request) -> None:
-        if request.resolved and not request.finished:
+        if not request.finished and request.resolved:  # (resolved looks at every group)
             request.finished = True
             request.events.put_nowait(Event("done"))
 

@@ -167,6 +167,7 @@ class Request:
             self._group_flat[by_group], np.arange(len(self.groups) + 1)
         )
         self.consumed = np.zeros(len(self.groups), dtype=bool)
+        self.read_first = False  # the last consume() took a group not yet ready
         self.holding: set[CellKey] = set()  # warmed for it, not yet reported read
         self.unheld = asyncio.Event()  # set while it holds nothing: its stream may end
         self.unheld.set()
@@ -225,6 +226,9 @@ class Request:
         wanted = wanted[~self.consumed[wanted]]
         if not wanted.size:
             return []
+        # Only a group read before it was ready can end the request (Node.consumed): so
+        # that is checked per report's groups, not over all of them.
+        self.read_first = bool((self.state[wanted] == PENDING).any())
         self.consumed[wanted] = True
         starts, stops = self._rows_ptr[wanted], self._rows_ptr[wanted + 1]
         per = stops - starts

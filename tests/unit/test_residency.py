@@ -374,3 +374,34 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     checker.join()
     assert ticket._resident.tolist() == [True, False]
     assert finished[0] - answered > 0.1, finished[0] - answered  # not after the whole check
+
+
+def test_a_partly_resident_tensor_is_waited_for_as_long_as_its_cold_part_takes(
+    tmp_path: Path,
+) -> None:
+    """A tensor missing 4 MiB of its 16 (idle reclaim takes pages a few at a time) is not
+    resident, but reading it here fetches only those: a rank waits for the daemon at most
+    as long as that read, not as long as a cold read of all 16 MiB. (4 MiB, aligned: the
+    page cache may hold the file in folios of up to 2 MiB, dropped only whole.)"""
+    from spanwarm.client.client import Ticket, _index_read_bytes, _note_residency
+    from spanwarm.rpc.v1 import warmer_pb2
+
+    path = write_file(tmp_path / "ckpt.bin", 16 * MiB)
+    path.read_bytes()
+    evict(path, 8 * MiB, 4 * MiB)
+    request = warmer_pb2.WarmRequest(
+        files=[str(path)],
+        groups=["a"],
+        file_index=[0],
+        offset=[0],
+        length=[16 * MiB],
+        stride=[16 * MiB],
+        count=[1],
+        group_index=[0],
+    )
+    ticket = Ticket(["a"], [16 * MiB])
+    assert _note_residency(ticket, request).tolist() == [False]
+    _index_read_bytes(ticket, request)
+    ticket._set_read_times(np.array([100.0 * MiB]), last=True)
+    # 4 MiB at 100 MiB/s: 40 ms; all 16 MiB would take 160.
+    assert 0.035 < float(ticket._read_yourself_s[0]) < 0.06, ticket._read_yourself_s

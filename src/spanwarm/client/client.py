@@ -135,6 +135,10 @@ class Ticket:
         # until known; see _note_residency).
         self._resident: Any = None
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
+        # Per tensor: what reading it here would fetch from storage. All of it, until the
+        # residency check finds pages of it in the page cache already (_note_residency):
+        # a tensor missing a few pages is one short read away, not a whole cold one.
+        self._cold_bytes = np.asarray(nbytes, dtype=np.float64).copy()
         self._granted_rate = 0.0  # the grant's stream_bytes_per_s
         # How the last bounded waits ended (True: warm in time), and waits skipped since.
         self._waits: collections.deque[bool] = collections.deque(maxlen=_BEHIND_WINDOW)
@@ -214,7 +218,7 @@ class Ticket:
                 bound = float(self._read_yourself_s[i])
                 if bound != np.inf and self._own_seconds > 0:
                     # What this rank's own cold reads took (Ticket.took), where lower.
-                    own = self._bytes[i] * self._own_seconds / self._own_bytes
+                    own = self._cold_bytes[i] * self._own_seconds / self._own_bytes
                     bound = min(bound, own)
                 if bound < _WORTH_WAITING_S and not waited:
                     self._cold.add(i)
@@ -248,7 +252,7 @@ class Ticket:
             if i is None or i not in self._cold or not seconds > 0:
                 return
             self._cold.discard(i)
-            self._own_samples.append((self._bytes[i], seconds))
+            self._own_samples.append((int(self._cold_bytes[i]), seconds))
             nbytes = sum(b for b, _ in self._own_samples)
             if len(self._own_samples) >= _OWN_SAMPLES and nbytes >= _OWN_BYTES:
                 self._own_bytes = nbytes
@@ -388,6 +392,10 @@ class Ticket:
         one_piece = np.full(len(nbytes), np.inf)
         np.divide(_PIECE_BYTES, span_rate, out=one_piece, where=known)
         seconds = np.bincount(group_index, weights=per_span, minlength=len(self._names))
+        with self._cond:  # only the cold part of a partly resident tensor is read
+            total = np.asarray(self._bytes, dtype=np.float64)
+            cold = np.divide(self._cold_bytes, total, out=np.ones_like(total), where=total > 0)
+        seconds *= np.minimum(cold, 1.0)
         np.maximum.at(seconds, group_index, one_piece)
         with self._cond:
             self._read_yourself_s = seconds
@@ -858,8 +866,12 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
             if fd >= 0:
                 os.close(fd)
         np.add.at(per_tensor, g[mine], missing[mine].astype(np.float64))
-        done = np.unique(g[mine])
-        done = done[(last_file[done] == position) & (per_tensor[done] <= slack[done])]
+        known = np.unique(g[mine])
+        known = known[last_file[known] == position]  # every envelope of these looked at
+        done = known[per_tensor[known] <= slack[known]]
+        with ticket._cond:
+            cold = ticket._cold_bytes
+            cold[known] = np.minimum(cold[known], per_tensor[known])
         if done.size:
             with ticket._cond:
                 resident[done] = True

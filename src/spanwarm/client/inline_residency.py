@@ -1,0 +1,93 @@
+"""A tensor's residency, looked up on the loader's own thread while the request's check runs.
+
+The ticket's thread checks a request's files in order (``client._note_residency``) and
+publishes each tensor once its last file is done. A loader that reaches a tensor before
+then would wait for that thread, which shares the interpreter lock with the loader: each
+of its system calls gives the lock away, and getting it back can take a switch interval
+(5 ms) while the loader copies tensors. So the loader looks the tensor up itself, one
+``cachestat`` per envelope (microseconds): wholly cached, it is read at once; anything
+else is left to the full check (partly cached tensors get their page-by-page count there).
+
+Descriptors are opened once per file, on the loader's thread (it is about to open the
+file itself: a mount that hangs the open hangs its load the same way), and closed when
+the full check is over; a lock keeps a descriptor from being closed, and its number
+reused, while a lookup uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from spanwarm.residency import PAGE, cached_pages, residency_trusted
+
+__all__ = ["TensorEnvelopes"]
+
+
+class TensorEnvelopes:
+    """Each tensor's envelopes (first to last byte per file), for lookups by tensor."""
+
+    def __init__(self, files: list[str], group: Any, file: Any, lo: Any, hi: Any, names: int):
+        """``group``, ``file``, ``lo``, ``hi``: one row per envelope, sorted by group."""
+        self._files = files
+        self._file = file.tolist()
+        self._lo = lo.tolist()
+        self._hi = hi.tolist()
+        self._rows = np.searchsorted(group, np.arange(names + 1)).tolist()
+        self._fds: dict[int, tuple[int, int]] = {}  # file -> (fd or -1, size)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def cached(self, tensor: int, then: Callable[[], None]) -> bool:
+        """Whether every page of the tensor's envelopes is in the page cache (being read in
+        counts: the loader's reads wait for those pages), calling ``then`` first if so,
+        before :meth:`close` can return: once the full check is over, nothing is marked
+        behind its back. False where that cannot be said here: a file that will not
+        open, or whose residency this process may not see, or after :meth:`close`."""
+        with self._lock:
+            if self._closed:
+                return False
+            for row in range(self._rows[tensor], self._rows[tensor + 1]):
+                fd, size = self._open(self._file[row])
+                lo, hi = self._lo[row], self._hi[row]
+                if fd < 0 or hi > size:
+                    return False
+                if hi <= lo:
+                    continue
+                first, last = lo // PAGE, (hi - 1) // PAGE + 1
+                pages = cached_pages(fd, first * PAGE, (last - first) * PAGE)
+                if pages is None or pages < last - first:
+                    return False
+            then()
+            return True
+
+    def _open(self, position: int) -> tuple[int, int]:
+        known = self._fds.get(position)
+        if known is not None:
+            return known
+        fd, size = -1, 0
+        try:
+            fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            size = os.fstat(fd).st_size
+            if not residency_trusted(fd):
+                os.close(fd)
+                fd = -1
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+            fd = -1
+        self._fds[position] = (fd, size)
+        return fd, size
+
+    def close(self) -> None:
+        """No more lookups: the full check is over. Closes the descriptors."""
+        with self._lock:
+            self._closed = True
+            fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
+            if fd >= 0:
+                os.close(fd)

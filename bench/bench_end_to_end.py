@@ -257,6 +257,11 @@ def run_local_ranks(
                     stdout=subprocess.PIPE,
                     stderr=stderr,
                     cwd=ROOT,
+                    # As torchrun sets it for more than one local rank: torch's threads of
+                    # two ranks on two cores otherwise spin against each other, which
+                    # made resident loads' CPU 0.35-0.7 s a rank where one rank alone takes
+                    # 0.12 s, and every arm's walls swing twofold.
+                    env={"OMP_NUM_THREADS": "1", **os.environ},
                 )
                 for r in range(local_world)
             ]

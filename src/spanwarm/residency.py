@@ -120,9 +120,9 @@ def missing_bytes(
     ranges if it has at most ``_RANGES_COUNTED``; whatever it finds wholly absent is
     missing whole, and the rest is checked with ``mincore``, 4 GiB at a time: the work
     follows the ranges and what is missing of them, not the file.
-    ``reading_counts``: pages still being read in count as present, so what cachestat
-    finds wholly cached needs no page-by-page check either (for a reader that will read
-    those pages itself: its reads wait for them; never to say the bytes are warm)."""
+    ``reading_counts``: pages still being read in count as present, so cachestat's count
+    is the answer wherever it counted (for a reader that will read those pages itself:
+    its reads wait for them; never to say the bytes are warm)."""
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -156,9 +156,9 @@ def missing_bytes(
         for member in members.tolist():  # partly cached: which of its ranges, and how much
             a, b = int(first[member]), int(last[member])
             cached = cached_pages(fd, a * PAGE, (b - a) * PAGE)
-            if cached == 0:
-                missing[member] += (b - a) * PAGE
-            elif not (reading_counts and cached is not None and cached >= b - a):
+            if cached == 0 or (reading_counts and cached is not None):
+                missing[member] += (b - a - (cached or 0)) * PAGE  # what cachestat lacks
+            else:
                 _count_absent(fd, a, b, np.array([member]), first, last, missing)
     return np.where(hi > lo, missing, 0)
 

@@ -45,6 +45,38 @@ def write_file(path: Path, size: int) -> Path:
     return path
 
 
+_SLOW = 65  # tensors of one sparse 48 GiB file: more than missing_bytes counts one by one
+
+
+def _slow_file(path: Path) -> list[tuple[str, Path, int, int]]:
+    """A sparse 48 GiB file with a page of it cached, as ``_SLOW`` consecutive tensors:
+    neither absent nor cached whole, and too many ranges to count one by one, so the
+    residency check goes through it page by page, most of a second here."""
+    with path.open("wb") as f:
+        f.truncate(48 * 2**30)
+    with path.open("rb") as reader:
+        reader.read(PAGE)
+    size = 48 * 2**30 // _SLOW // PAGE * PAGE
+    return [(f"s{i}", path, i * size, size) for i in range(_SLOW)]
+
+
+def _tensors(rows: list[tuple[str, Path, int, int]]) -> Any:
+    """A WarmRequest of one span per tensor: (name, path, offset, length)."""
+    from spanwarm.rpc.v1 import warmer_pb2
+
+    files = list(dict.fromkeys(str(path) for _, path, _, _ in rows))
+    return warmer_pb2.WarmRequest(
+        files=files,
+        groups=[name for name, _, _, _ in rows],
+        file_index=[files.index(str(path)) for _, path, _, _ in rows],
+        offset=[offset for _, _, offset, _ in rows],
+        length=[length for _, _, _, length in rows],
+        stride=[length for _, _, _, length in rows],
+        count=[1] * len(rows),
+        group_index=list(range(len(rows))),
+    )
+
+
 def _whole_tensors(tensors: list[tuple[str, Path, int]]) -> Any:
     """A WarmRequest of one tensor per file, each the file's first ``length`` bytes."""
     from spanwarm.rpc.v1 import warmer_pb2
@@ -378,21 +410,16 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
 def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path: Path) -> None:
     """Residency is published file by file: the loader's first tensor (first file, in the
     page cache) is read at once, not after mincore has gone through the rank's whole
-    share. The second file is a sparse 48 GiB one with a page of it cached: neither
-    absent nor cached whole, it is checked page by page, most of a second here."""
+    share. The second file is slow to check (``_slow_file``)."""
     import threading
 
     from spanwarm.client.client import Ticket, _note_residency
 
     first = write_file(tmp_path / "first.bin", 16 * PAGE)
     first.read_bytes()
-    later = tmp_path / "later.bin"
-    with later.open("wb") as f:
-        f.truncate(48 * 2**30)
-    with later.open("rb") as reader:
-        reader.read(PAGE)
-    request = _whole_tensors([("a", first, 16 * PAGE), ("b", later, 48 * 2**30)])
-    ticket = Ticket(["a", "b"], [16 * PAGE, 48 * 2**30])
+    rows = [("a", first, 0, 16 * PAGE), *_slow_file(tmp_path / "later.bin")]
+    request = _tensors(rows)
+    ticket = Ticket([r[0] for r in rows], [r[3] for r in rows])
     finished: list[float] = []
 
     def check() -> None:
@@ -404,34 +431,31 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     assert ticket.wait_for_read("a", timeout=30) == "read"
     answered = time.monotonic()
     checker.join()
-    assert ticket._resident.tolist() == [True, False]
+    assert ticket._resident.tolist() == [True] + [False] * _SLOW
     assert finished[0] - answered > 0.1, finished[0] - answered  # not after the whole check
 
 
 def test_the_loader_looks_up_a_tensor_whose_file_the_check_has_not_reached(
     tmp_path: Path,
 ) -> None:
-    """While the full check is still on an earlier file (a sparse 48 GiB one with a page
-    cached: page by page, most of a second), the loader asks for a tensor of a later
-    file: cached whole, it is read at once; cold, it is waited for as before; and the
-    descriptors the lookups opened are closed once the check is over."""
+    """While the full check is still on an earlier file (``_slow_file``), the loader asks
+    for a tensor of a later file: cached whole, it is read at once; cold, it is waited for
+    as before; and the descriptors the lookups opened are closed once the check is over."""
     import threading
 
     from spanwarm.client.client import Ticket, _note_residency
 
-    slow = tmp_path / "slow.bin"
-    with slow.open("wb") as f:
-        f.truncate(48 * 2**30)
-    with slow.open("rb") as reader:
-        reader.read(PAGE)
     warm = write_file(tmp_path / "warm.bin", 16 * PAGE)
     warm.read_bytes()
     cold = write_file(tmp_path / "cold.bin", 16 * PAGE)
     evict(cold)
-    request = _whole_tensors(
-        [("a", slow, 48 * 2**30), ("b", warm, 16 * PAGE), ("c", cold, 16 * PAGE)]
-    )
-    ticket = Ticket(["a", "b", "c"], [48 * 2**30, 16 * PAGE, 16 * PAGE])
+    rows = [
+        *_slow_file(tmp_path / "slow.bin"),
+        ("b", warm, 0, 16 * PAGE),
+        ("c", cold, 0, 16 * PAGE),
+    ]
+    request = _tensors(rows)
+    ticket = Ticket([r[0] for r in rows], [r[3] for r in rows])
     descriptors = len(os.listdir("/proc/self/fd"))
     checker = threading.Thread(target=_note_residency, args=(ticket, request))
     checker.start()
@@ -440,11 +464,11 @@ def test_the_loader_looks_up_a_tensor_whose_file_the_check_has_not_reached(
         time.sleep(0.001)
     assert ticket.wait_for_read("b", timeout=30) == "read"
     assert checker.is_alive()  # still on the slow file
-    assert not ticket._known[1]  # found by the loader's own lookup, not the full check
+    assert not ticket._known[_SLOW]  # found by the loader's own lookup, not the full check
     assert ticket.wait_for_read("c", timeout=0.05) == "timeout"  # cold: not taken for warm
     checker.join()
-    assert ticket._resident.tolist() == [False, True, False]
-    assert ticket._known.tolist() == [True, True, True]
+    assert ticket._resident.tolist() == [False] * _SLOW + [True, False]
+    assert ticket._known.all()
     assert ticket.progress.resident == 1
     assert len(os.listdir("/proc/self/fd")) == descriptors
 

@@ -317,8 +317,8 @@ class Ticket:
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, was resident when the request went out (read it
         now; a few pages of it may be missing, see ``_note_residency``), was reported read
-        (:meth:`consumed`) before it was warm, was released, or is not part of the
-        request."""
+        (:meth:`consumed`) before it was warm, was released, was left to this rank to read
+        (``progress.own``), or is not part of the request."""
         i = self._index.get(name)
         return i is None or self._state[i] != _PENDING
 

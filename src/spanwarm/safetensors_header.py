@@ -445,7 +445,8 @@ def open_checkpoint(
     cache: HeaderCache | None = None,
     max_workers: int = 16,
 ) -> Checkpoint:
-    """Read every header of a checkpoint, concurrently (each is a round trip on a network mount)."""
+    """Read every header of a checkpoint: in line while each is a quick cache hit, the rest
+    concurrently (each is a round trip on a network mount)."""
     files = checkpoint_files(checkpoint)
     # In order on this thread while each header is a quick cache hit (a checkpoint opened
     # before: no thread pool, which costs milliseconds of handoffs), the rest concurrently.

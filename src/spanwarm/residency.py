@@ -31,6 +31,7 @@ __all__ = [
     "evict",
     "file_residency",
     "missing_bytes",
+    "probably_cached",
     "residency_trusted",
     "resident_bytes",
     "resident_pages",
@@ -164,6 +165,52 @@ def missing_bytes(
 
 
 _RANGES_COUNTED = 64  # missing_bytes counts a partly cached run's ranges one by one up to this
+
+# probably_cached: a range up to _PROBE_WHOLE is looked at whole (one call; each page
+# costs 15-40 ns, the call 2-3 us), a longer one in windows of _PROBE_WINDOW bytes, one
+# every _PROBE_SPACING from its first byte and one ending at its last.
+_PROBE_WHOLE = 2**20
+_PROBE_WINDOW = 64 * 2**10
+_PROBE_SPACING = 4 * 2**20
+
+
+def probably_cached(fd: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+    """Per range ``[lo[i], hi[i])`` of open file ``fd``: True where every page looked at
+    is in the page cache, pages still being read included (``cachestat(2)``): all of a
+    range up to 1 MiB, and of a longer one a 64 KiB window every 4 MiB from its first
+    byte and one ending at its last. The cost follows the ranges, not their bytes: an
+    exact count of a rank's resident share, page by page, was a tenth of its load's CPU
+    (6144 lookups for one 24 MiB tensor, as long as copying a few MiB of it). So a hole
+    of up to 4 MiB between windows can go unseen: for a reader deciding what to read
+    itself, which then reads such a hole cold, as it would have anyway; never to say
+    bytes are warm. An empty range is cached; one past the end of the file is not. None
+    where the kernel will not say."""
+    size = os.fstat(fd).st_size
+    answer = np.zeros(len(lo), dtype=bool)
+    ranges = zip(np.asarray(lo).tolist(), np.asarray(hi).tolist(), strict=True)
+    for i, (start, stop) in enumerate(ranges):
+        if stop <= start:
+            answer[i] = True
+            continue
+        if stop > size:
+            continue
+        first = start - start % PAGE
+        if stop - first <= _PROBE_WHOLE:
+            windows = [(first, stop - first)]
+        else:
+            last = stop - _PROBE_WINDOW
+            last -= last % PAGE
+            windows = [(at, _PROBE_WINDOW) for at in range(first, last, _PROBE_SPACING)]
+            windows.append((last, stop - last))
+        for at, length in windows:
+            pages = cached_pages(fd, at, length)
+            if pages is None:
+                return None
+            if pages < (length + PAGE - 1) // PAGE:
+                break
+        else:
+            answer[i] = True
+    return answer
 
 
 def _count_absent(

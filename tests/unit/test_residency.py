@@ -27,6 +27,7 @@ from spanwarm.residency import (
     evict,
     file_residency,
     missing_bytes,
+    probably_cached,
     residency_trusted,
     resident_bytes,
     resident_pages,
@@ -295,6 +296,48 @@ def test_missing_bytes_agrees_with_a_page_by_page_count(cold: tuple[Path, int], 
     assert reading.tolist() == expected
 
 
+def test_a_probe_sees_what_its_windows_cover_and_only_that(tmp_path: Path) -> None:
+    """``probably_cached`` looks at a range up to 1 MiB whole, and at a longer one in
+    64 KiB windows every 4 MiB from its first byte and one ending at its last: a hole
+    under a window, at the last page or anywhere in a short range is seen; a hole between
+    windows is not (documented: the rank reads it cold itself), while missing_bytes,
+    the exact count, still finds it. Cold, past the end of the file: not cached."""
+    path = write_file(tmp_path / "f.bin", 32 * MiB)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads bring in nothing else
+        holes = [(5 * MiB, 2 * MiB), (8 * MiB + 8 * PAGE, PAGE), (24 * MiB - PAGE, PAGE)]
+        at = 0
+        for start, length in [*holes, (32 * MiB, 0)]:
+            assert len(os.pread(fd, start - at, at)) == start - at
+            at = start + length
+        ranges = [
+            (0, 4 * MiB),  # cached: windows at 0 and at its end
+            (0, 8 * MiB),  # the 5-7 MiB hole lies between its windows: unseen
+            (4 * MiB, 12 * MiB),  # a window at 8 MiB takes in the page missing there
+            (12 * MiB, 24 * MiB),  # its last page is missing
+            (8 * MiB, 9 * MiB),  # 1 MiB: looked at whole, one page missing
+            (24 * MiB, 24 * MiB),  # empty
+            (30 * MiB, 33 * MiB),  # past the end of the file
+        ]
+        lo = np.array([a for a, _ in ranges], dtype=np.int64)
+        hi = np.array([b for _, b in ranges], dtype=np.int64)
+        probed = probably_cached(fd, lo, hi)
+        if probed is None:
+            pytest.skip("cachestat(2) is not available here")
+        for _ in range(5):  # idle reclaim may take a page meanwhile: look again
+            if probed.tolist() == [True, True, False, False, False, True, False]:
+                break
+            probed = probably_cached(fd, lo, hi)
+        assert probed.tolist() == [True, True, False, False, False, True, False]
+        assert missing_bytes(fd, lo[1:2], hi[1:2]).tolist() == [2 * MiB]  # the exact count
+        evict(path)
+        assert probably_cached(fd, lo[:2], hi[:2]).tolist() == [False, False]  # type: ignore[union-attr]
+    finally:
+        os.close(fd)
+
+
 def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]) -> None:
     _, fd = cold
     os.pread(fd, 4 * MiB, 0)  # the first 4 MiB resident (FADV_RANDOM: nothing more)
@@ -378,7 +421,8 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
     """A shared read-only checkpoint: mincore tells a non-owner that every page is
     present, so the client must not believe it (or ranks would never wait); it samples
     pages with reads that only the page cache may answer instead."""
-    from spanwarm.client.client import Ticket, _note_residency
+    from spanwarm.client.client import Ticket
+    from spanwarm.client.residency_check import note_residency
 
     shared = Path(tempfile.mkdtemp(prefix="spanwarm-shared-", dir="/var/tmp"))
     os.chmod(shared, 0o755)  # /var/tmp is world-traversable; tmp_path's parents are not
@@ -390,7 +434,7 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
     def as_nobody() -> str:
         def seen() -> str:
             ticket = Ticket(["a"], [64 * PAGE])
-            _note_residency(ticket, request)
+            note_residency(ticket, request)
             readable = len(path.read_bytes())  # it may read the file, just not know
             return f"{readable} {int(ticket._resident[0])}"
 
@@ -401,7 +445,7 @@ def test_a_rank_samples_what_mincore_will_not_tell_it(tmp_path: Path) -> None:
         assert as_nobody() == f"{64 * PAGE} 0"
         assert as_nobody() == f"{64 * PAGE} 1"  # resident now, and sampled as such
         ticket = Ticket(["a"], [64 * PAGE])
-        _note_residency(ticket, request)
+        note_residency(ticket, request)
         assert ticket._resident.tolist() == [True]  # root can
     finally:
         shutil.rmtree(shared)
@@ -413,7 +457,8 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     share. The second file is slow to check (``_slow_file``)."""
     import threading
 
-    from spanwarm.client.client import Ticket, _note_residency
+    from spanwarm.client.client import Ticket
+    from spanwarm.client.residency_check import note_residency
 
     first = write_file(tmp_path / "first.bin", 16 * PAGE)
     first.read_bytes()
@@ -423,7 +468,7 @@ def test_a_resident_tensor_is_read_while_later_files_are_still_checked(tmp_path:
     finished: list[float] = []
 
     def check() -> None:
-        _note_residency(ticket, request)
+        note_residency(ticket, request)
         finished.append(time.monotonic())
 
     checker = threading.Thread(target=check)
@@ -443,7 +488,8 @@ def test_the_loader_looks_up_a_tensor_whose_file_the_check_has_not_reached(
     as before; and the descriptors the lookups opened are closed once the check is over."""
     import threading
 
-    from spanwarm.client.client import Ticket, _note_residency
+    from spanwarm.client.client import Ticket
+    from spanwarm.client.residency_check import note_residency
 
     warm = write_file(tmp_path / "warm.bin", 16 * PAGE)
     warm.read_bytes()
@@ -457,7 +503,7 @@ def test_the_loader_looks_up_a_tensor_whose_file_the_check_has_not_reached(
     request = _tensors(rows)
     ticket = Ticket([r[0] for r in rows], [r[3] for r in rows])
     descriptors = len(os.listdir("/proc/self/fd"))
-    checker = threading.Thread(target=_note_residency, args=(ticket, request))
+    checker = threading.Thread(target=note_residency, args=(ticket, request))
     checker.start()
     deadline = time.monotonic() + 10
     while ticket._envelopes is None and time.monotonic() < deadline:
@@ -480,14 +526,15 @@ def test_a_partly_resident_tensor_is_waited_for_as_long_as_its_cold_part_takes(
     resident, but reading it here fetches only those: a rank waits for the daemon at most
     as long as that read, not as long as a cold read of all 16 MiB. (4 MiB, aligned: the
     page cache may hold the file in folios of up to 2 MiB, dropped only whole.)"""
-    from spanwarm.client.client import Ticket, _index_read_bytes, _note_residency
+    from spanwarm.client.client import Ticket, _index_read_bytes
+    from spanwarm.client.residency_check import note_residency
 
     path = write_file(tmp_path / "ckpt.bin", 16 * MiB)
     path.read_bytes()
     evict(path, 8 * MiB, 4 * MiB)
     request = _whole_tensors([("a", path, 16 * MiB)])
     ticket = Ticket(["a"], [16 * MiB])
-    assert _note_residency(ticket, request).tolist() == [False]
+    assert note_residency(ticket, request).tolist() == [False]
     _index_read_bytes(ticket, request)
     ticket._set_read_times(np.array([100.0 * MiB]), last=True)
     # 4 MiB at 100 MiB/s: 40 ms; all 16 MiB would take 160.

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,9 +37,9 @@ from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
+from spanwarm.client.residency_check import distinct, note_residency
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
-from spanwarm.residency import missing_bytes, residency_trusted, sampled_resident
 from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["Client", "Progress", "Ticket", "message_dict"]
@@ -51,20 +51,6 @@ logger = logging.getLogger("spanwarm.client")
 _PENDING, _READY, _FAILED, _RELEASED, _RESIDENT, _READ_FIRST, _OWN = 0, 1, 2, 3, 4, 5, 6
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
-# A tensor this close to resident is read at once: a page or two of it can be missing (the
-# page cache reclaims cold pages a few at a time), and a 64 KiB read is one request. At
-# most an eighth of its envelopes, though: a small tensor missing whole is cold, and on a
-# mount with 50 ms a request reading it is no cheaper than waiting for the daemon.
-_RESIDENT_SLACK = 64 * 2**10
-_RESIDENT_SLACK_SHARE = 8
-# Bytes of envelopes checked for residency per request (about 16M page lookups, tens of
-# milliseconds): past that, tensors count as not resident.
-_RESIDENCY_SCAN_BYTES = 64 * 2**30
-# Where mincore cannot be believed, pages are sampled instead (residency.sampled_resident):
-# at most this many one-byte reads per request (about 20 ms), for at most this long (a
-# busy device can hold each up), and no more after this many pages found missing (each
-# one is read in: a cold checkpoint costs that many pages).
-_SAMPLED_READS, _SAMPLED_SECONDS, _SAMPLED_MISSES = 8192, 0.02, 16
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 # A bounded wait shorter than this is not begun: a waiting thread wakes up to a GIL
 # switch interval (5 ms) late while another thread of the rank runs Python, later still
@@ -148,14 +134,14 @@ class Ticket:
         self._spans: tuple[Any, Any, Any] | None = None  # (file, group, bytes) per span
         # Per tensor: whether it was in the page cache when the request went out, and
         # whether the full check has looked at it yet (None until it begins; see
-        # _note_residency); meanwhile, the loader looks a tensor up itself (_envelopes).
+        # residency_check); meanwhile, the loader looks a tensor up itself (_envelopes).
         self._resident: Any = None
         self._known: Any = None
         self._envelopes: TensorEnvelopes | None = None
         self._looked_up: set[int] = set()
         self._read_yourself_s = np.full(len(names), np.inf)  # see wait_for_read
         # Per tensor: what reading it here would fetch from storage. All of it, until the
-        # residency check finds pages of it in the page cache already (_note_residency):
+        # residency check finds pages of it in the page cache already (residency_check):
         # a tensor missing a few pages is one short read away, not a whole cold one.
         self._cold_bytes = np.asarray(nbytes, dtype=np.float64).copy()
         self._granted_rate = 0.0  # the grant's stream_bytes_per_s
@@ -272,6 +258,30 @@ class Ticket:
             if envelopes is not None and envelopes.cached(i, lambda: self._cached(i)):
                 return "read"  # its file's turn in the full check has not come yet
 
+    def _look_up_from(self, envelopes: TensorEnvelopes | None) -> Any:
+        """The residency check begins (the loader may look tensors up in ``envelopes``
+        meanwhile; a loader waiting already does so now), or, with None, is over;
+        returns the per-tensor resident flags the check fills in."""
+        with self._cond:
+            if envelopes is not None:
+                self._resident = np.zeros(len(self._names), dtype=bool)
+                self._known = np.zeros(len(self._names), dtype=bool)
+            self._envelopes = envelopes
+            self._cond.notify_all()
+            return self._resident
+
+    def _looked_at(self, known: Any, missing: Any, resident: Any) -> None:
+        """The check has looked at every envelope of tensors ``known`` (``missing``
+        bytes of each, or more): those of them in ``resident`` are read at once."""
+        with self._cond:
+            self._cold_bytes[known] = np.minimum(self._cold_bytes[known], missing)
+            self._known[known] = True
+            if resident.size:
+                self._resident[resident] = True
+                # In the same step (the condition's lock is re-entrant): no reader sees a
+                # tensor resident but still pending.
+                self._mark(resident.tolist(), _RESIDENT)
+
     def _cached(self, i: int) -> None:
         """Tensor ``i`` was found wholly in the page cache on the loader's thread."""
         with self._cond:
@@ -316,7 +326,7 @@ class Ticket:
 
     def ready(self, name: str) -> bool:
         """True when ``name`` is warm, was resident when the request went out (read it
-        now; a few pages of it may be missing, see ``_note_residency``), was reported read
+        now; a few pages of it may be missing, see :mod:`.residency_check`), was reported read
         (:meth:`consumed`) before it was warm, was released, was left to this rank to read
         (``progress.own``), or is not part of the request."""
         i = self._index.get(name)
@@ -603,8 +613,6 @@ class Client:
         self, spans: Sequence[TensorSpans], *, job: str | None = None, rank: int | None = None
     ) -> Ticket:
         """Ask the daemon to warm ``spans`` (grouped by their tensor); returns at once."""
-        from spanwarm.rpc.v1 import warmer_pb2
-
         files: dict[str, int] = {}
         groups: dict[str, int] = {}
         nbytes: list[int] = []
@@ -624,20 +632,15 @@ class Client:
         if self.disabled:
             ticket._release()
             return ticket
-        request = warmer_pb2.WarmRequest(
-            job=_job_id(job),
-            rank=_rank() if rank is None else rank,
-            files=list(files),
-            groups=list(groups),
-            file_index=columns[0],
-            offset=columns[1],
-            length=columns[2],
-            stride=columns[3],
-            count=columns[4],
-            group_index=columns[5],
-        )
+        # The WarmRequest is built on the ticket's thread, of the spans the residency
+        # check leaves: a resident load builds none.
+        header = {"job": _job_id(job), "rank": _rank() if rank is None else rank}
+        collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
         thread = threading.Thread(
-            target=self._consume, args=(ticket, request), name="spanwarm-ticket", daemon=True
+            target=self._consume,
+            args=(ticket, collected, header),
+            name="spanwarm-ticket",
+            daemon=True,
         )
         thread.start()
         return ticket
@@ -669,7 +672,9 @@ class Client:
         ).start()
         check_endpoint(self.socket)
 
-    def _consume(self, ticket: Ticket, request: Any) -> None:
+    def _consume(self, ticket: Ticket, spans: _Spans, header: dict[str, Any]) -> None:
+        from spanwarm.rpc.v1 import warmer_pb2
+
         try:
             # First, before the grant and the plan: a rank reads the tensors resident
             # already at once instead of waiting for the daemon's answer, and asks only
@@ -680,13 +685,13 @@ class Client:
             if not self.read_yourself:
                 self._begin(ticket)
             else:
-                resident = _note_residency(ticket, request, before=lambda: self._begin(ticket))
-                if resident.any():
-                    group_index = np.asarray(request.group_index, dtype=np.int64)
-                    request = _select_spans(request, ~resident[group_index])
-                    if request is None:
-                        return
-            request = self._prove(ticket, request)
+                resident = note_residency(ticket, spans, before=lambda: self._begin(ticket))
+                kept = spans.kept(~resident[spans.group_index])
+                if kept is None:
+                    return
+                spans = kept
+            request = warmer_pb2.WarmRequest(groups=ticket._names, **header)
+            request = self._prove(ticket, spans.into(request))
             if request is None or ticket.finished.is_set():  # cancelled or released meanwhile
                 return
             if self.read_yourself and _not_worth_asking(ticket, request):
@@ -773,7 +778,7 @@ class Client:
         file_index = np.asarray(request.file_index, dtype=np.int64)
         group_index = np.asarray(request.group_index, dtype=np.int64)
         for position, reason in granted.failures.items():
-            groups = _distinct(group_index[file_index == position])
+            groups = distinct(group_index[file_index == position])
             ticket._mark(groups.tolist(), _FAILED, f"NOT_REQUESTED: {reason}")
         return _select_spans(request, ~np.isin(file_index, list(granted.failures)))
 
@@ -823,155 +828,60 @@ class Client:
         return ticket
 
 
-def _distinct(values: Any) -> Any:
-    """``np.unique(values)``, without it: its first call imports ``numpy.ma`` (8 ms here, on
-    the loader's first tensors' path in a fresh rank process)."""
-    ordered = np.sort(values)
-    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
+_COLUMNS = ("file_index", "offset", "length", "stride", "count", "group_index")
+
+
+@dataclass
+class _Spans:
+    """A request's spans as columns, named as WarmRequest's fields: what ``request``
+    collects on the loader's thread, and the request is built from on the ticket's, once
+    the residency check has said which tensors to leave out."""
+
+    files: list[str]
+    file_index: Any
+    offset: Any
+    length: Any
+    stride: Any
+    count: Any
+    group_index: Any
+
+    @classmethod
+    def of(cls, request: Any) -> _Spans:
+        columns = (np.asarray(getattr(request, name), dtype=np.int64) for name in _COLUMNS)
+        return cls(list(request.files), *columns)
+
+    def kept(self, keep: Any) -> _Spans | None:
+        """Only the spans where ``keep`` is set, and only the files those name
+        (renumbered); None when no span is left. Groups keep their numbers: the ticket's
+        and the daemon's events name them so."""
+        if keep.all():
+            return self
+        if not keep.any():
+            return None
+        file_index = self.file_index[keep]
+        used = distinct(file_index)
+        renumber = np.full(len(self.files), -1, dtype=np.int64)
+        renumber[used] = np.arange(len(used))
+        columns = (getattr(self, name)[keep] for name in _COLUMNS[1:])
+        return _Spans([self.files[i] for i in used.tolist()], renumber[file_index], *columns)
+
+    def into(self, request: Any) -> Any:
+        """``request`` (a WarmRequest) with these spans in place of its own."""
+        del request.files[:]
+        request.files.extend(self.files)
+        for name in _COLUMNS:
+            del getattr(request, name)[:]
+            getattr(request, name).extend(getattr(self, name).tolist())
+        return request
 
 
 def _select_spans(request: Any, keep: Any) -> Any:
-    """``request`` with only the spans where ``keep`` is set, and only the files those
-    name (renumbered); None when no span is left. Groups keep their numbers: the
-    ticket's and the daemon's events name them so."""
+    """``request`` with only the spans where ``keep`` is set (see :meth:`_Spans.kept`);
+    None when no span is left."""
     if keep.all():
         return request
-    if not keep.any():
-        return None
-    file_index = np.asarray(request.file_index, dtype=np.int64)[keep]
-    used = _distinct(file_index)
-    renumber = np.full(len(request.files), -1, dtype=np.int64)
-    renumber[used] = np.arange(len(used))
-    files = [request.files[i] for i in used.tolist()]
-    columns = {
-        name: np.asarray(getattr(request, name), dtype=np.uint64)[keep]
-        for name in ("offset", "length", "stride", "count", "group_index")
-    }
-    del request.files[:]
-    request.files.extend(files)
-    for name, column in columns.items():
-        del getattr(request, name)[:]
-        getattr(request, name).extend(column.tolist())
-    del request.file_index[:]
-    request.file_index.extend(renumber[file_index].tolist())
-    return request
-
-
-def _note_residency(
-    ticket: Ticket, request: Any, *, before: Callable[[], None] = lambda: None
-) -> Any:
-    """Find which tensors are in the page cache now (all their spans' envelopes, but for
-    ``_RESIDENT_SLACK`` bytes, at most an eighth of them), mark them resident, and wake
-    the waiters to look; returns that, per tensor.
-    Files are looked at in request order, and a tensor is marked as soon as its last file
-    has been: the loader's first tensors are in the first files, and with the checkpoint
-    resident it reads them while the rest is checked, instead of waiting for every file
-    (tens of ms of mincore on a rank's whole share). Pages still being read in (by the
-    daemon for another rank, or by a reader) count as present: reading them here waits
-    for that read, as waiting for the daemon would, and a check that may say so costs
-    one ``cachestat`` a run of pages where everything is cached. Until a tensor's turn
-    comes, the loader may look it up itself (:mod:`.inline_residency`), from right after
-    the envelopes are known: ``before`` runs then, ahead of the files.
-    Where mincore cannot be believed (a file this process neither owns nor may write:
-    the kernel then says every page is present), pages of each envelope are sampled
-    instead, with reads that the page cache answers or refuses; there a tensor is
-    resident when every page looked at is (no slack, and pages between samples unseen:
-    the rank reads those itself)."""
-    file_index = np.asarray(request.file_index, dtype=np.int64)
-    group_index = np.asarray(request.group_index, dtype=np.int64)
-    offset = np.asarray(request.offset, dtype=np.int64)
-    stride = np.asarray(request.stride, dtype=np.int64)
-    count = np.asarray(request.count, dtype=np.int64)
-    end = offset + np.maximum(count - 1, 0) * stride + np.asarray(request.length, dtype=np.int64)
-    # One envelope per (tensor, file): its first and last byte there.
-    order = np.lexsort((file_index, group_index))
-    g, f = group_index[order], file_index[order]
-    heads = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (f[1:] != f[:-1])]) if len(g) else g
-    lo = np.minimum.reduceat(offset[order], heads) if len(g) else offset
-    hi = np.maximum.reduceat(end[order], heads) if len(g) else end
-    g, f = g[heads], f[heads]
-    names = len(ticket._names)
-    envelopes = np.bincount(g, weights=(hi - lo).astype(np.float64), minlength=names)
-    slack = np.minimum(_RESIDENT_SLACK, envelopes / _RESIDENT_SLACK_SHARE)
-    last_file = np.full(names, -1, dtype=np.int64)  # a tensor is known once this one is
-    np.maximum.at(last_file, g, f)
-    resident = np.zeros(names, dtype=bool)
-    known_all = np.zeros(names, dtype=bool)
-    lookups = TensorEnvelopes(list(request.files), g, f, lo, hi, names)
-    with ticket._cond:  # both updated in place, under the lock, file by file
-        ticket._resident, ticket._known, ticket._envelopes = resident, known_all, lookups
-        ticket._cond.notify_all()  # a loader waiting already looks its tensor up now
-    try:
-        before()
-        _check_files(ticket, request, g, f, lo, hi, slack, last_file)
-    finally:
-        with ticket._cond:
-            ticket._envelopes = None
-        lookups.close()  # after it, nothing more is marked resident: the selection holds
-    return resident
-
-
-def _check_files(
-    ticket: Ticket,
-    request: Any,
-    g: Any,
-    f: Any,
-    lo: Any,
-    hi: Any,
-    slack: Any,
-    last_file: Any,
-) -> None:
-    """The file-by-file part of :func:`_note_residency`: per file, the missing bytes of
-    its envelopes, and the tensors whose last file it is marked known, and resident where
-    those are within their slack."""
-    names = len(ticket._names)
-    missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
-    per_tensor = np.zeros(names, dtype=np.float64)  # missing bytes in the files looked at
-    budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound the work
-    misses, samples = _SAMPLED_MISSES, _SAMPLED_READS
-    deadline = time.monotonic() + _SAMPLED_SECONDS
-    by_file = np.argsort(f, kind="stable")  # each file's envelopes, without a pass per file
-    bounds = np.searchsorted(f[by_file], np.arange(len(request.files) + 1))
-    for position, path in enumerate(request.files):
-        mine = by_file[bounds[position] : bounds[position + 1]]
-        if not mine.size:
-            continue
-        budget -= int((hi[mine] - lo[mine]).sum())
-        if budget < 0:
-            break  # the rest counts as not resident: the daemon will say
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            fd = -1  # its tensors stay not resident
-        try:
-            if fd < 0:
-                pass
-            elif residency_trusted(fd):
-                missing[mine] = missing_bytes(fd, lo[mine], hi[mine], reading_counts=True)
-            elif misses > 0 and samples > 0:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a missing page: one page
-                sampled, misses, samples = sampled_resident(
-                    fd, lo[mine], hi[mine], misses=misses, samples=samples, deadline=deadline
-                )
-                missing[mine] = np.where(sampled, 0, missing[mine])
-        except (OSError, ValueError):
-            pass
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        np.add.at(per_tensor, g[mine], missing[mine].astype(np.float64))
-        known = _distinct(g[mine])
-        known = known[last_file[known] == position]  # every envelope of these looked at
-        done = known[per_tensor[known] <= slack[known]]
-        with ticket._cond:
-            cold = ticket._cold_bytes
-            cold[known] = np.minimum(cold[known], per_tensor[known])
-            ticket._known[known] = True
-            if done.size:
-                ticket._resident[done] = True
-                # In the same step (the condition's lock is re-entrant): no reader sees a
-                # tensor resident but still pending.
-                ticket._mark(done.tolist(), _RESIDENT)
+    kept = _Spans.of(request).kept(keep)
+    return None if kept is None else kept.into(request)
 
 
 def _not_worth_asking(ticket: Ticket, request: Any) -> bool:
@@ -982,7 +892,7 @@ def _not_worth_asking(ticket: Ticket, request: Any) -> bool:
     rate = ticket._granted_rate
     if not rate > 0:
         return False  # nothing learned about the mount yet: ask
-    groups = _distinct(np.asarray(request.group_index, dtype=np.int64))
+    groups = distinct(np.asarray(request.group_index, dtype=np.int64))
     with ticket._cond:
         cold = float(ticket._cold_bytes[groups].sum())
     if cold * _WORTH_ASKING_SHARE > sum(ticket._bytes) or cold / rate >= _WORTH_ASKING_S:

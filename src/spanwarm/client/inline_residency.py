@@ -1,6 +1,6 @@
 """A tensor's residency, looked up on the loader's own thread while the request's check runs.
 
-The ticket's thread checks a request's files in order (``client._note_residency``) and
+The ticket's thread checks a request's files in order (:mod:`.residency_check`) and
 publishes each tensor once its last file is done. A loader that reaches a tensor before
 then would wait for that thread, which shares the interpreter lock with the loader: each
 of its system calls gives the lock away, and getting it back can take a switch interval
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from spanwarm.residency import PAGE, cached_pages, residency_trusted
+from spanwarm.residency import probably_cached, residency_trusted
 
 __all__ = ["TensorEnvelopes"]
 
@@ -38,7 +38,7 @@ class TensorEnvelopes:
         self._lo = lo.tolist()
         self._hi = hi.tolist()
         self._rows = np.searchsorted(group, np.arange(names + 1)).tolist()
-        self._fds: dict[int, tuple[int, int]] = {}  # file -> (fd or -1, size)
+        self._fds: dict[int, int] = {}  # file -> descriptor, or -1: not to be looked at
         self._lock = threading.Lock()
         self._closed = False
 
@@ -52,42 +52,38 @@ class TensorEnvelopes:
             if self._closed:
                 return False
             for row in range(self._rows[tensor], self._rows[tensor + 1]):
-                fd, size = self._open(self._file[row])
-                lo, hi = self._lo[row], self._hi[row]
-                if fd < 0 or hi > size:
+                fd = self._open(self._file[row])
+                if fd < 0:
                     return False
-                if hi <= lo:
-                    continue
-                first, last = lo // PAGE, (hi - 1) // PAGE + 1
-                pages = cached_pages(fd, first * PAGE, (last - first) * PAGE)
-                if pages is None or pages < last - first:
+                probed = probably_cached(fd, self._lo[row : row + 1], self._hi[row : row + 1])
+                if probed is None or not probed[0]:
                     return False
             then()
             return True
 
-    def _open(self, position: int) -> tuple[int, int]:
-        known = self._fds.get(position)
-        if known is not None:
-            return known
-        fd, size = -1, 0
+    def _open(self, position: int) -> int:
+        fd = self._fds.get(position)
+        if fd is not None:
+            return fd
         try:
             fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            size = os.fstat(fd).st_size
-            if not residency_trusted(fd):
+        except OSError:
+            fd = -1
+        try:
+            if fd >= 0 and not residency_trusted(fd):
                 os.close(fd)
                 fd = -1
         except OSError:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
             fd = -1
-        self._fds[position] = (fd, size)
-        return fd, size
+        self._fds[position] = fd
+        return fd
 
     def close(self) -> None:
         """No more lookups: the full check is over. Closes the descriptors."""
         with self._lock:
             self._closed = True
             fds, self._fds = self._fds, {}
-        for fd, _ in fds.values():
+        for fd in fds.values():
             if fd >= 0:
                 os.close(fd)

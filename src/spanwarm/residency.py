@@ -2,12 +2,13 @@
 
 Residency comes from ``mincore(2)`` on a fresh shared mapping, which reports a page only
 once it is uptodate, looked up page by page (60-90 ns a page here). ``cachestat(2)`` counts
-a range's pages in one call (about 5 ns a page), but counts pages still being read as
+a range's pages in one call (15-40 ns a page), but counts pages still being read as
 well: :func:`missing_bytes` uses it to skip runs wholly absent, and, where the caller
-accepts pages in flight as present, runs wholly cached. The kernel makes mincore report
-every page present (and cachestat fail) unless the caller owns the file, may write it,
-or is privileged, so check :func:`residency_trusted` before believing it. Anyone who may
-read a file can still sample it (:func:`sampled_resident`): a one-byte read with
+accepts pages in flight as present, runs wholly cached; :func:`probably_cached` looks at
+windows of a long range only, for a reader deciding what to read itself. The kernel
+makes mincore report every page present (and cachestat fail) unless the caller owns the
+file, may write it, or is privileged, so check :func:`residency_trusted` before
+believing it. Anyone who may read a file can still sample it (:func:`sampled_resident`): a one-byte read with
 ``RWF_NOWAIT`` is answered from the page cache, or refused rather than wait for the
 storage.
 """

@@ -4,9 +4,10 @@ The ticket's thread checks a request's files in order (:mod:`.residency_check`) 
 publishes each tensor once its last file is done. A loader that reaches a tensor before
 then would wait for that thread, which shares the interpreter lock with the loader: each
 of its system calls gives the lock away, and getting it back can take a switch interval
-(5 ms) while the loader copies tensors. So the loader looks the tensor up itself, one
-``cachestat`` per envelope (microseconds): wholly cached, it is read at once; anything
-else is left to the full check (partly cached tensors get their page-by-page count there).
+(5 ms) while the loader copies tensors. So the loader looks the tensor up itself, with
+the full check's probe (``residency.probably_cached``: microseconds): cached, it is read
+at once; anything else is left to the full check (partly cached tensors get their
+page-by-page count there).
 
 Descriptors are opened once per file, on the loader's thread (it is about to open the
 file itself: a mount that hangs the open hangs its load the same way), and closed when
@@ -43,10 +44,10 @@ class TensorEnvelopes:
         self._closed = False
 
     def cached(self, tensor: int, then: Callable[[], None]) -> bool:
-        """Whether every page of the tensor's envelopes is in the page cache (being read in
-        counts: the loader's reads wait for those pages), calling ``then`` first if so,
-        before :meth:`close` can return: once the full check is over, nothing is marked
-        behind its back. False where that cannot be said here: a file that will not
+        """Whether the tensor's envelopes are in the page cache as far as the probe looks
+        (being read in counts: the loader's reads wait for those pages), calling ``then``
+        first if so, before :meth:`close` can return: once the full check is over,
+        nothing is marked behind its back. False where that cannot be said here: a file that will not
         open, or whose residency this process may not see, or after :meth:`close`."""
         with self._lock:
             if self._closed:

@@ -8,9 +8,9 @@ accepts pages in flight as present, runs wholly cached; :func:`probably_cached` 
 windows of a long range only, for a reader deciding what to read itself. The kernel
 makes mincore report every page present (and cachestat fail) unless the caller owns the
 file, may write it, or is privileged, so check :func:`residency_trusted` before
-believing it. Anyone who may read a file can still sample it (:func:`sampled_resident`): a one-byte read with
-``RWF_NOWAIT`` is answered from the page cache, or refused rather than wait for the
-storage.
+believing it. Anyone who may read a file can still sample it (:func:`sampled_resident`):
+a one-byte read with ``RWF_NOWAIT`` is answered from the page cache, or refused rather
+than wait for the storage.
 """
 
 from __future__ import annotations

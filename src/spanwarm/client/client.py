@@ -37,7 +37,7 @@ from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
-from spanwarm.client.residency_check import distinct, note_residency
+from spanwarm.client.residency_check import ResidencyCheck, distinct
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
 from spanwarm.tensor_layout import TensorSpans
@@ -51,6 +51,8 @@ logger = logging.getLogger("spanwarm.client")
 _PENDING, _READY, _FAILED, _RELEASED, _RESIDENT, _READ_FIRST, _OWN = 0, 1, 2, 3, 4, 5, 6
 _MAX_MESSAGE = 128 * 2**20
 _PIECE_BYTES = 2**20  # a read of the daemon's piece size (chunk/8): latency and all
+# request() checks residency in line for about this long, while files are resident.
+_INLINE_CHECK_S = 0.01
 _BEHIND_WINDOW = 16  # bounded waits remembered (see Ticket._daemon_behind)
 # A bounded wait shorter than this is not begun: a waiting thread wakes up to a GIL
 # switch interval (5 ms) late while another thread of the rank runs Python, later still
@@ -636,9 +638,29 @@ class Client:
         # check leaves: a resident load builds none.
         header = {"job": _job_id(job), "rank": _rank() if rank is None else rank}
         collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
+        check = None
+        if self.read_yourself:
+            # In line while the files are resident, for up to about 10 ms: a resident
+            # checkpoint is found so in 2-3 ms, with no thread to hand the loader's first
+            # tensors over (a second thread of the rank's interpreter wins the GIL back
+            # after each of its system calls: the loader waited 2-6 ms for its first
+            # tensor behind that check). The rest goes on the ticket's thread.
+            try:
+                check = ResidencyCheck(ticket, collected)
+                everything = check.run(budget_s=_INLINE_CHECK_S) and check.resident.all()
+            except Exception as exc:  # a prefetch problem must never fail the load
+                logger.warning("spanwarm: %s; loading without prefetch", exc)
+                if check is not None:
+                    check.close()
+                ticket._release()
+                return ticket
+            if everything and len(ticket._names):
+                check.close()
+                ticket._release()  # every tensor resident: nothing to ask for, no thread
+                return ticket
         thread = threading.Thread(
             target=self._consume,
-            args=(ticket, collected, header),
+            args=(ticket, collected, header, check),
             name="spanwarm-ticket",
             daemon=True,
         )
@@ -672,7 +694,13 @@ class Client:
         ).start()
         check_endpoint(self.socket)
 
-    def _consume(self, ticket: Ticket, spans: _Spans, header: dict[str, Any]) -> None:
+    def _consume(
+        self,
+        ticket: Ticket,
+        spans: _Spans,
+        header: dict[str, Any],
+        check: ResidencyCheck | None,
+    ) -> None:
         from spanwarm.rpc.v1 import warmer_pb2
 
         try:
@@ -682,11 +710,15 @@ class Client:
             # them (grant, admission, events, reports) would take CPU from the load on
             # the node's cores; where every tensor is resident, nothing goes out at all.
             # The loader may look tensors up itself from the check's first step on.
-            if not self.read_yourself:
+            if check is None:
                 self._begin(ticket)
             else:
-                resident = note_residency(ticket, spans, before=lambda: self._begin(ticket))
-                kept = spans.kept(~resident[spans.group_index])
+                try:
+                    self._begin(ticket)
+                    check.run()
+                finally:
+                    check.close()
+                kept = spans.kept(~check.resident[spans.group_index])
                 if kept is None:
                     return
                 spans = kept

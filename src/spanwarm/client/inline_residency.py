@@ -47,8 +47,9 @@ class TensorEnvelopes:
         """Whether the tensor's envelopes are in the page cache as far as the probe looks
         (being read in counts: the loader's reads wait for those pages), calling ``then``
         first if so, before :meth:`close` can return: once the full check is over,
-        nothing is marked behind its back. False where that cannot be said here: a file that will not
-        open, or whose residency this process may not see, or after :meth:`close`."""
+        nothing is marked behind its back. False where that cannot be said here: a file
+        that will not open, or whose residency this process may not see, or after
+        :meth:`close`."""
         with self._lock:
             if self._closed:
                 return False

@@ -29,7 +29,7 @@ from spanwarm.residency import (
     sampled_resident,
 )
 
-__all__ = ["distinct", "note_residency"]
+__all__ = ["ResidencyCheck", "distinct", "note_residency"]
 
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
 # page cache reclaims cold pages a few at a time), and a 64 KiB read is one request. At
@@ -56,8 +56,20 @@ def distinct(values: Any) -> Any:
 
 
 def note_residency(ticket: Any, spans: Any, *, before: Callable[[], None] = lambda: None) -> Any:
-    """Find which of ``ticket``'s tensors are in the page cache now, mark them resident,
-    and wake the waiters to look; returns that, per tensor.
+    """:class:`ResidencyCheck` of ``ticket``'s ``spans``, all of it, with ``before`` run
+    once the loader may look tensors up; returns which tensors are resident."""
+    check = ResidencyCheck(ticket, spans)
+    try:
+        before()
+        check.run()
+    finally:
+        check.close()
+    return check.resident
+
+
+class ResidencyCheck:
+    """Which of ``ticket``'s tensors are in the page cache now: marked resident, and the
+    waiters woken to look.
 
     A tensor is resident when each of its envelopes (first to last byte of its spans, per
     file) is: probed in windows (``residency.probably_cached``: 64 KiB every 4 MiB of
@@ -77,63 +89,80 @@ def note_residency(ticket: Any, spans: Any, *, before: Callable[[], None] = lamb
     instead, with reads that the page cache answers or refuses; there a tensor is
     resident when every page looked at is (no slack, and pages between samples unseen:
     the rank reads those itself)."""
-    file_index = np.asarray(spans.file_index, dtype=np.int64)
-    group_index = np.asarray(spans.group_index, dtype=np.int64)
-    offset = np.asarray(spans.offset, dtype=np.int64)
-    stride = np.asarray(spans.stride, dtype=np.int64)
-    count = np.asarray(spans.count, dtype=np.int64)
-    end = offset + np.maximum(count - 1, 0) * stride + np.asarray(spans.length, dtype=np.int64)
-    # One envelope per (tensor, file): its first and last byte there.
-    order = np.lexsort((file_index, group_index))
-    g, f = group_index[order], file_index[order]
-    heads = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (f[1:] != f[:-1])]) if len(g) else g
-    lo = np.minimum.reduceat(offset[order], heads) if len(g) else offset
-    hi = np.maximum.reduceat(end[order], heads) if len(g) else end
-    g, f = g[heads], f[heads]
-    names = len(ticket._names)
-    envelopes = np.bincount(g, weights=(hi - lo).astype(np.float64), minlength=names)
-    slack = np.minimum(_RESIDENT_SLACK, envelopes / _RESIDENT_SLACK_SHARE)
-    last_file = np.full(names, -1, dtype=np.int64)  # a tensor is known once this one is
-    np.maximum.at(last_file, g, f)
-    files = list(spans.files)
-    lookups = TensorEnvelopes(files, g, f, lo, hi, names)
-    resident = ticket._look_up_from(lookups)
-    try:
-        before()
-        _check_files(ticket, files, g, f, lo, hi, slack, last_file)
-    finally:
-        ticket._look_up_from(None)
-        lookups.close()  # after it, nothing more is marked resident: the selection holds
-    return resident
 
+    def __init__(self, ticket: Any, spans: Any) -> None:
+        """The envelopes of ``spans``, published for the loader's own lookups."""
+        file_index = np.asarray(spans.file_index, dtype=np.int64)
+        group_index = np.asarray(spans.group_index, dtype=np.int64)
+        offset = np.asarray(spans.offset, dtype=np.int64)
+        stride = np.asarray(spans.stride, dtype=np.int64)
+        count = np.asarray(spans.count, dtype=np.int64)
+        length = np.asarray(spans.length, dtype=np.int64)
+        end = offset + np.maximum(count - 1, 0) * stride + length
+        # One envelope per (tensor, file): its first and last byte there.
+        order = np.lexsort((file_index, group_index))
+        g, f = group_index[order], file_index[order]
+        heads = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (f[1:] != f[:-1])]) if len(g) else g
+        lo = np.minimum.reduceat(offset[order], heads) if len(g) else offset
+        hi = np.maximum.reduceat(end[order], heads) if len(g) else end
+        g, f = g[heads], f[heads]
+        names = len(ticket._names)
+        envelopes = np.bincount(g, weights=(hi - lo).astype(np.float64), minlength=names)
+        self._slack = np.minimum(_RESIDENT_SLACK, envelopes / _RESIDENT_SLACK_SHARE)
+        self._last_file = np.full(names, -1, dtype=np.int64)  # known once this one is
+        np.maximum.at(self._last_file, g, f)
+        self._ticket, self._files = ticket, list(spans.files)
+        self._g, self._f, self._lo, self._hi = g, f, lo, hi
+        self._missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
+        self._per_tensor = np.zeros(names, dtype=np.float64)  # missing, files looked at
+        self._budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound it
+        self._misses, self._samples = _SAMPLED_MISSES, _SAMPLED_READS
+        self._deadline = time.monotonic() + _SAMPLED_SECONDS
+        self._by_file = np.argsort(f, kind="stable")  # each file's envelopes, in one sort
+        self._bounds = np.searchsorted(f[self._by_file], np.arange(len(self._files) + 1))
+        self._next = 0  # the next file to look at
+        self._lookups = TensorEnvelopes(self._files, g, f, lo, hi, names)
+        self.resident = ticket._look_up_from(self._lookups)
+        """Per tensor: resident (filled in as files are looked at)."""
 
-def _check_files(
-    ticket: Any,
-    files: list[str],
-    g: Any,
-    f: Any,
-    lo: Any,
-    hi: Any,
-    slack: Any,
-    last_file: Any,
-) -> None:
-    """The file-by-file part of :func:`note_residency`: per file, the missing bytes of
-    its envelopes, and the tensors whose last file it is marked known, and resident where
-    those are within their slack."""
-    names = len(ticket._names)
-    missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
-    per_tensor = np.zeros(names, dtype=np.float64)  # missing bytes in the files looked at
-    budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound the work
-    misses, samples = _SAMPLED_MISSES, _SAMPLED_READS
-    deadline = time.monotonic() + _SAMPLED_SECONDS
-    by_file = np.argsort(f, kind="stable")  # each file's envelopes, without a pass per file
-    bounds = np.searchsorted(f[by_file], np.arange(len(files) + 1)).tolist()
-    for position, path in enumerate(files):
-        mine = by_file[bounds[position] : bounds[position + 1]]
+    @property
+    def done(self) -> bool:
+        """Every file has been looked at."""
+        return self._next >= len(self._files)
+
+    def run(self, *, budget_s: float | None = None) -> bool:
+        """Look at the files not looked at yet, in order. With ``budget_s``, only while
+        every file looked at is resident and for about that long: the rest is left for
+        another call, on another thread (the loader's need not wait for a slow mount,
+        nor for a request that goes out anyway). Returns :attr:`done`."""
+        bounds = self._bounds.tolist()
+        began = time.monotonic()
+        while not self.done:
+            position = self._next
+            self._next += 1
+            mine = self._by_file[bounds[position] : bounds[position + 1]]
+            self._look_at(position, mine)
+            if budget_s is not None and (
+                time.monotonic() - began > budget_s
+                or (self._missing[mine] > self._slack[self._g[mine]]).any()
+            ):
+                break
+        return self.done
+
+    def close(self) -> None:
+        """No more lookups: after this nothing more is marked resident, so a request
+        built from :attr:`resident` holds."""
+        self._ticket._look_up_from(None)
+        self._lookups.close()
+
+    def _look_at(self, position: int, mine: Any) -> None:
+        """One file: the missing bytes of its envelopes, and the tensors whose last file
+        it is marked known, and resident where those are within their slack."""
         if not mine.size:
-            continue
+            return
+        lo, hi, missing = self._lo, self._hi, self._missing
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             fd = -1  # its tensors stay not resident
         try:
@@ -144,13 +173,18 @@ def _check_files(
                 unseen = mine if probed is None else mine[~probed]
                 if probed is not None:
                     missing[mine[probed]] = 0
-                budget -= int((hi[unseen] - lo[unseen]).sum())
-                if unseen.size and budget >= 0:  # not cached throughout: count exactly
+                self._budget -= int((hi[unseen] - lo[unseen]).sum())
+                if unseen.size and self._budget >= 0:  # not cached throughout: count exactly
                     missing[unseen] = missing_bytes(fd, lo[unseen], hi[unseen], reading_counts=True)
-            elif misses > 0 and samples > 0:
+            elif self._misses > 0 and self._samples > 0:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a missing page: one page
-                sampled, misses, samples = sampled_resident(
-                    fd, lo[mine], hi[mine], misses=misses, samples=samples, deadline=deadline
+                sampled, self._misses, self._samples = sampled_resident(
+                    fd,
+                    lo[mine],
+                    hi[mine],
+                    misses=self._misses,
+                    samples=self._samples,
+                    deadline=self._deadline,
                 )
                 missing[mine] = np.where(sampled, 0, missing[mine])
         except (OSError, ValueError):
@@ -158,7 +192,9 @@ def _check_files(
         finally:
             if fd >= 0:
                 os.close(fd)
+        g, per_tensor = self._g, self._per_tensor
         np.add.at(per_tensor, g[mine], missing[mine].astype(np.float64))
         known = distinct(g[mine])
-        known = known[last_file[known] == position]  # every envelope of these looked at
-        ticket._looked_at(known, per_tensor[known], known[per_tensor[known] <= slack[known]])
+        known = known[self._last_file[known] == position]  # every envelope of these seen
+        resident = known[per_tensor[known] <= self._slack[known]]
+        self._ticket._looked_at(known, per_tensor[known], resident)

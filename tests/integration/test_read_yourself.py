@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -387,4 +388,33 @@ def test_the_daemon_skips_what_a_rank_has_read_itself(tmp_path: Path) -> None:
         assert (ticket.progress.ready, ticket.progress.read) == (2, 2)
         assert status["bytes_read_total"] == 8 * MiB
         assert resident(path, 8 * MiB, 8 * MiB) == 0  # "c" and "d": never read
+        client.close()
+
+
+def test_a_resident_request_is_answered_before_request_returns(tmp_path: Path) -> None:
+    """Every tensor in the page cache: the check runs in line on the caller's thread, so
+    the ticket is finished when ``request`` returns, with no thread of its own and nothing
+    sent (the daemon sees no rank). One tensor cold among them: the rest of the check and
+    the request go to the ticket's thread, and the cold tensor is warmed."""
+    files = [cold_file(tmp_path / f"r{i}.safetensors", 4 * MiB, seed=20 + i) for i in range(3)]
+    for path in files:
+        path.read_bytes()
+    with running_daemon(*FLAGS) as daemon:
+        client = Client(daemon.socket)
+        tensors = [span(f"t{i}", path, 0, 4 * MiB) for i, path in enumerate(files)]
+        before = {t.ident for t in threading.enumerate()}
+        ticket = client.request(tensors)
+        assert ticket.finished.is_set()  # already: no wait for any thread
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert not [name for name in started if name.startswith("spanwarm")], started
+        assert ticket.progress.resident == 3
+        assert [ticket.wait_for_read(f"t{i}", timeout=1) for i in range(3)] == ["read"] * 3
+        assert client.status()["ranks"] == []
+        cold = cold_file(tmp_path / "cold.safetensors", 4 * MiB, seed=30)
+        ticket = client.request([*tensors, span("c", cold, 0, 4 * MiB)])
+        assert ticket.wait(timeout=60)
+        progress = ticket.progress
+        assert (progress.resident, progress.ready) == (3, 1)
+        assert resident(cold, 0, 4 * MiB) == 4 * MiB
+        ticket.cancel()
         client.close()

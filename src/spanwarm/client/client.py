@@ -657,6 +657,10 @@ class Client:
             if everything and len(ticket._names):
                 check.close()
                 ticket._release()  # every tensor resident: nothing to ask for, no thread
+                try:  # a few stats: an operator still hears of a missing or unsafe daemon
+                    check_endpoint(self.socket)
+                except (EndpointUnsafe, OSError) as exc:
+                    self._warn_unreachable(exc)
                 return ticket
         thread = threading.Thread(
             target=self._consume,
@@ -687,12 +691,28 @@ class Client:
     def _begin(self, ticket: Ticket) -> None:
         """The watchdog (started here, not by request(): starting a thread waits for it to
         run, and the loader's thread has better things to do), before anything that may
-        hang (a frozen mount under the residency check); then the socket's check: no
-        daemon, or not one to trust, releases the ticket at once."""
+        hang (a frozen mount under the rest of the residency check; the part request()
+        does in line opens files the loader is about to open itself, and would hang it
+        the same way); then the socket's check: no daemon, or not one to trust, releases
+        the ticket at once."""
         threading.Thread(
             target=self._watch, args=(ticket,), name="spanwarm-watchdog", daemon=True
         ).start()
         check_endpoint(self.socket)
+
+    def _warn_unreachable(self, exc: EndpointUnsafe | OSError) -> None:
+        if isinstance(exc, EndpointUnsafe):
+            logger.warning(
+                "spanwarm: not using the daemon socket %s: %s; loading without prefetch",
+                self.socket,
+                exc,
+            )
+        else:
+            logger.warning(
+                "spanwarm: daemon at %s: UNAVAILABLE: %s; loading without prefetch",
+                self.socket,
+                exc.strerror or exc,
+            )
 
     def _consume(
         self,
@@ -758,23 +778,13 @@ class Client:
                     )
                 # After "done" the daemon keeps the stream open until this rank has
                 # reported (Ticket.consumed) what it holds; the loop ends with the stream.
-        except EndpointUnsafe as exc:
-            logger.warning(
-                "spanwarm: not using the daemon socket %s: %s; loading without prefetch",
-                self.socket,
-                exc,
-            )
+        except (EndpointUnsafe, OSError) as exc:
+            self._warn_unreachable(exc)
         except AccessRefused as exc:
             logger.warning(
                 "spanwarm: daemon at %s refused the files: %s; loading without prefetch",
                 self.socket,
                 exc,
-            )
-        except OSError as exc:
-            logger.warning(
-                "spanwarm: daemon at %s: UNAVAILABLE: %s; loading without prefetch",
-                self.socket,
-                exc.strerror or exc,
             )
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED and not ticket._stalled:

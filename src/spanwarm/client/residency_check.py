@@ -82,8 +82,8 @@ class ResidencyCheck:
     waits for that read, as waiting for the daemon would.
     Files are looked at in request order, and a tensor is marked as soon as its last file
     has been: the loader's first tensors are in the first files. Until a tensor's turn
-    comes, the loader may look it up itself (:mod:`.inline_residency`), from right after
-    the envelopes are known: ``before`` runs then, ahead of the files.
+    comes, the loader may look it up itself (:mod:`.inline_residency`), from the moment
+    the check is made (its envelopes known) to :meth:`close`.
     Where mincore cannot be believed (a file this process neither owns nor may write:
     the kernel then says every page is present), pages of each envelope are sampled
     instead, with reads that the page cache answers or refuses; there a tensor is
@@ -112,7 +112,7 @@ class ResidencyCheck:
         self._last_file = np.full(names, -1, dtype=np.int64)  # known once this one is
         np.maximum.at(self._last_file, g, f)
         self._ticket, self._files = ticket, list(spans.files)
-        self._g, self._f, self._lo, self._hi = g, f, lo, hi
+        self._g, self._lo, self._hi = g, lo, hi
         self._missing = np.full(len(g), np.iinfo(np.int64).max // 2, dtype=np.int64)
         self._per_tensor = np.zeros(names, dtype=np.float64)  # missing, files looked at
         self._budget = _RESIDENCY_SCAN_BYTES  # the kernel looks up each page: bound it

@@ -26,11 +26,12 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from spanwarm.errors import (
@@ -137,16 +138,18 @@ class Header:
 
 
 def _reject_duplicate_keys(path: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise HeaderNotJsonError(path, f"header repeats the key {key!r}", offset=8)
-        obj[key] = value
+    obj = dict(pairs)  # called for every object of the header: the loop only on a repeat
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise HeaderNotJsonError(path, f"header repeats the key {key!r}", offset=8)
+            seen.add(key)
     return obj
 
 
 def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return type(value) is int and value >= 0  # not a bool (an int subclass), not a float
 
 
 def _parse_sharding_info(path: str, metadata: dict[str, str]) -> dict[str, list[int]]:
@@ -353,6 +356,46 @@ def _shard_path(root: Path, real_root: str, index: Path, name: str) -> str:
     return str(path)
 
 
+# Shard names per index file, keyed as the header cache keys a file (a rewritten index
+# misses): a loader opens one checkpoint more than once (its own pass, then spanwarm's),
+# and parsing a weight map of thousands of keys costs a millisecond. Paths are still
+# resolved and checked on every call (a shard may be swapped for a link since).
+_INDEX_NAMES: OrderedDict[tuple[str, int, int, int, int], list[str]] = OrderedDict()
+_INDEX_NAMES_MAX = 64
+_memo_lock = threading.Lock()
+
+
+def _index_names(index_path: Path) -> list[str]:
+    """The sorted shard names of an index's weight map, validated as JSON (memoised)."""
+    # O_NONBLOCK: a FIFO in the index's place must not hang the loader; refused below.
+    with open(os.open(index_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise IndexFormatError(index_path, "is not a regular file")
+        key = (str(index_path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with _memo_lock:
+            names = _INDEX_NAMES.get(key)
+        if names is not None:
+            return names
+        raw = f.read()
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IndexFormatError(index_path, f"not a JSON document: {exc}") from exc
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise IndexFormatError(index_path, "no weight_map object of tensor names to shard files")
+    for value in weight_map.values():
+        if not isinstance(value, str) or not value:
+            raise IndexFormatError(index_path, f"weight_map value {value!r} is not a file name")
+    names = sorted(set(weight_map.values()))
+    with _memo_lock:
+        _INDEX_NAMES[key] = names
+        while len(_INDEX_NAMES) > _INDEX_NAMES_MAX:
+            _INDEX_NAMES.popitem(last=False)
+    return names
+
+
 def read_index(index: str | os.PathLike[str]) -> list[str]:
     """Shard paths named by a ``model.safetensors.index.json``, sorted and validated.
 
@@ -360,21 +403,9 @@ def read_index(index: str | os.PathLike[str]) -> list[str]:
     symlinks; names are never trusted as paths.
     """
     index_path = Path(index)
-    try:
-        document = json.loads(index_path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IndexFormatError(index_path, f"not a JSON document: {exc}") from exc
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise IndexFormatError(index_path, "no weight_map object of tensor names to shard files")
     root = index_path.parent
     real_root = os.path.realpath(root)
-    for value in weight_map.values():
-        if not isinstance(value, str) or not value:
-            raise IndexFormatError(index_path, f"weight_map value {value!r} is not a file name")
-    return [
-        _shard_path(root, real_root, index_path, name) for name in sorted(set(weight_map.values()))
-    ]
+    return [_shard_path(root, real_root, index_path, name) for name in _index_names(index_path)]
 
 
 def checkpoint_files(
@@ -409,14 +440,16 @@ class Checkpoint:
     """The validated headers of every file of a checkpoint and where each tensor lives."""
 
     headers: tuple[Header, ...]
-    pieces: dict[str, tuple[tuple[Header, TensorInfo], ...]]
+    pieces: Mapping[str, tuple[tuple[Header, TensorInfo], ...]]
 
     @property
     def paths(self) -> list[str]:
         return [h.path for h in self.headers]
 
 
-def _locate_tensors(headers: Iterable[Header]) -> dict[str, tuple[tuple[Header, TensorInfo], ...]]:
+def _locate_tensors(
+    headers: Iterable[Header],
+) -> Mapping[str, tuple[tuple[Header, TensorInfo], ...]]:
     """Where each tensor is stored. A tensor stored whole in a file of its own kind and as
     DCP chunks too is a consolidated distributed checkpoint (torch's
     ``consolidate_safetensors_files`` writing into the shards' directory): the whole copy
@@ -427,6 +460,8 @@ def _locate_tensors(headers: Iterable[Header]) -> dict[str, tuple[tuple[Header, 
         for tensor in header.tensors:
             located.setdefault(tensor.name, []).append((header, tensor))
     for name, pieces in located.items():
+        if len(pieces) == 1:
+            continue
         whole = [p for p in pieces if DCP_SHARDING_INFO not in p[0].metadata]
         if whole and len(whole) < len(pieces):
             pieces[:] = whole
@@ -436,7 +471,29 @@ def _locate_tensors(headers: Iterable[Header]) -> dict[str, tuple[tuple[Header, 
             raise DuplicateTensorError(
                 second, f"tensor {name!r} is stored in {first} too, with the same global offset"
             )
-    return {name: tuple(pieces) for name, pieces in located.items()}
+    return MappingProxyType({name: tuple(pieces) for name, pieces in located.items()})
+
+
+# Checkpoints by their headers (the header cache's objects: one unchanged file, one
+# object), so opening a checkpoint again costs its stats, not thousands of lookups. An
+# entry holds its headers, so no other header can take one's id while it is here.
+_CHECKPOINTS: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()
+_CHECKPOINTS_MAX = 16
+
+
+def _checkpoint_of(headers: list[Header]) -> Checkpoint:
+    key = tuple(map(id, headers))
+    with _memo_lock:
+        known = _CHECKPOINTS.get(key)
+        if known is not None:
+            _CHECKPOINTS.move_to_end(key)
+            return known
+    checkpoint = Checkpoint(tuple(headers), _locate_tensors(headers))
+    with _memo_lock:
+        _CHECKPOINTS[key] = checkpoint
+        while len(_CHECKPOINTS) > _CHECKPOINTS_MAX:
+            _CHECKPOINTS.popitem(last=False)
+    return checkpoint
 
 
 def open_checkpoint(
@@ -462,4 +519,4 @@ def open_checkpoint(
     elif rest:
         with ThreadPoolExecutor(max_workers=min(max_workers, len(rest))) as pool:
             headers.extend(pool.map(lambda f: read_header(f, cache=cache), rest))
-    return Checkpoint(tuple(headers), _locate_tensors(headers))
+    return _checkpoint_of(headers)

@@ -397,3 +397,45 @@ def test_dcp_shards_consolidated_in_place_are_planned_from_the_consolidated_file
         assert Path(header.path).name == "model-00001-of-00001.safetensors"
         data = Path(header.path).read_bytes()[header.file_offset(tensor) :][: tensor.nbytes]
         assert data == full.numpy().tobytes()
+
+
+def test_a_rewritten_index_is_read_again(tmp_path: Path) -> None:
+    _shard(tmp_path / "a.safetensors")
+    _shard(tmp_path / "b.safetensors")
+    index = _index(tmp_path, {"x": "a.safetensors"})
+    assert read_index(index) == [str(tmp_path / "a.safetensors")]
+    _index(tmp_path, {"x": "a.safetensors", "y": "b.safetensors"})  # a new size and mtime
+    assert read_index(index) == [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+
+
+def test_a_shard_swapped_for_an_escaping_link_is_refused_after_a_good_read(
+    tmp_path: Path,
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _shard(ckpt / "a.safetensors")
+    index = _index(ckpt, {"x": "a.safetensors"})
+    assert read_index(index) == [str(ckpt / "a.safetensors")]  # the names are memoised now
+    (ckpt / "a.safetensors").unlink()
+    (ckpt / "a.safetensors").symlink_to(_shard(tmp_path / "outside.safetensors"))
+    with pytest.raises(errors.ShardOutsideCheckpointError, match="resolves to"):
+        read_index(index)
+
+
+def test_an_index_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(errors.IndexFormatError, match="not a regular file"):
+        checkpoint_files(tmp_path)
+
+
+def test_open_checkpoint_again_sees_a_rewritten_shard(tmp_path: Path) -> None:
+    cache = HeaderCache()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(raw_safetensors({"t": entry("U8", [2], 0, 2)}, b"xx"))
+    first = open_checkpoint(tmp_path, cache=cache)
+    assert open_checkpoint(tmp_path, cache=cache) is first  # unchanged: the same answer
+    path.write_bytes(raw_safetensors({"u": entry("U8", [3], 0, 3)}, b"xxx"))
+    again = open_checkpoint(tmp_path, cache=cache)
+    assert list(again.pieces) == ["u"]
+    with pytest.raises(TypeError):  # shared between callers: nobody may change it
+        again.pieces["t"] = ()  # type: ignore[index]

@@ -619,17 +619,18 @@ class Client:
         groups: dict[str, int] = {}
         nbytes: list[int] = []
         columns: tuple[list[int], ...] = ([], [], [], [], [], [])
+        file_of, offset, length, stride, count, group_of = (c.append for c in columns)
+        absolute: dict[str, int] = {}  # as given -> file number (a few files, many spans)
         for s in spans:
-            path = os.path.abspath(s.path)
-            f = files.setdefault(path, len(files))
+            f = absolute.get(s.path, -1)
+            if f < 0:
+                f = absolute[s.path] = files.setdefault(os.path.abspath(s.path), len(files))
             g = groups.setdefault(s.tensor, len(groups))
             if g == len(nbytes):
                 nbytes.append(0)
             nbytes[g] += s.length * s.count
-            for column, value in zip(
-                columns, (f, s.offset, s.length, s.stride, s.count, g), strict=True
-            ):
-                column.append(value)
+            file_of(f), offset(s.offset), length(s.length), stride(s.stride)
+            count(s.count), group_of(g)
         ticket = Ticket(list(groups), nbytes)
         if self.disabled:
             ticket._release()

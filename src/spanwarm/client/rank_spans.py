@@ -10,6 +10,7 @@ concatenated or chunked ones) are read as :mod:`spanwarm.conversions` describes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +69,22 @@ def model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def _known_placements(typed: tuple[tuple[type, Any], ...]) -> tuple[Placement, ...] | None:
+    return model_placements([p for _, p in typed])
+
+
+def _placements_of(value: Any) -> tuple[Placement, ...] | None:
+    """:func:`model_placements` of a DTensor's, memoised: a model has a few kinds and
+    thousands of tensors, and torch's isinstance checks cost microseconds each. Keyed by
+    type too: a torch whose _StridedShard subclasses Shard may compare them equal."""
+    placements = value.placements
+    try:
+        return _known_placements(tuple((type(p), p) for p in placements))
+    except TypeError:  # a placement that cannot be hashed
+        return model_placements(placements)
+
+
 class _Coordinates:
     """Where ``rank`` (this process, if None) sits in each mesh; None when outside it.
 
@@ -118,7 +135,7 @@ def _read_runs(
     coordinate = coordinates(mesh)
     if coordinate is None:
         return False
-    placements = model_placements(value.placements)
+    placements = _placements_of(value)
     if converted is None:
         return _direct_runs(name, value, stored_shape, stored_dtype, coordinate, placements)
     why = ""

@@ -137,16 +137,23 @@ class ResidencyCheck:
         nor for a request that goes out anyway). Returns :attr:`done`."""
         bounds = self._bounds.tolist()
         began = time.monotonic()
+        looked: list[Any] = []
         while not self.done:
             position = self._next
             self._next += 1
             mine = self._by_file[bounds[position] : bounds[position + 1]]
             self._look_at(position, mine)
-            if budget_s is not None and (
+            if budget_s is None:
+                self._publish(mine)  # the loader is reading meanwhile: file by file
+                continue
+            looked.append(mine)
+            if (
                 time.monotonic() - began > budget_s
                 or (self._missing[mine] > self._slack[self._g[mine]]).any()
             ):
                 break
+        if looked:  # in line, nobody looks before request() returns: once, at the end
+            self._publish(np.concatenate(looked))
         return self.done
 
     def close(self) -> None:
@@ -156,8 +163,7 @@ class ResidencyCheck:
         self._lookups.close()
 
     def _look_at(self, position: int, mine: Any) -> None:
-        """One file: the missing bytes of its envelopes, and the tensors whose last file
-        it is marked known, and resident where those are within their slack."""
+        """One file: the missing bytes of its envelopes ``mine``."""
         if not mine.size:
             return
         lo, hi, missing = self._lo, self._hi, self._missing
@@ -192,9 +198,13 @@ class ResidencyCheck:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _publish(self, mine: Any) -> None:
+        """Envelopes ``mine`` have been looked at: the tensors with all of theirs looked
+        at are known, and resident where within their slack."""
         g, per_tensor = self._g, self._per_tensor
-        np.add.at(per_tensor, g[mine], missing[mine].astype(np.float64))
+        np.add.at(per_tensor, g[mine], self._missing[mine].astype(np.float64))
         known = distinct(g[mine])
-        known = known[self._last_file[known] == position]  # every envelope of these seen
+        known = known[self._last_file[known] < self._next]  # every envelope of these seen
         resident = known[per_tensor[known] <= self._slack[known]]
         self._ticket._looked_at(known, per_tensor[known], resident)

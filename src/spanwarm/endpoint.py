@@ -13,6 +13,7 @@ gave the directory to; it refuses a socket owned by anyone else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pwd
 import stat
@@ -54,6 +55,7 @@ def _describe(path: str, st: os.stat_result) -> str:
     return f"{path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
 
 
+@functools.cache  # read once a process: a client checks its socket on every request
 def _system_uid_max() -> int:
     """The highest uid of a system account (``SYS_UID_MAX`` in /etc/login.defs, 999)."""
     try:
@@ -94,7 +96,6 @@ def trusted_owners(
     uid = os.geteuid() if uid is None else uid
     owners = {0, uid}
     named = daemon_users() if delegate else frozenset()
-    system = _system_uid_max() if delegate else -1
     try:
         real = Path(os.path.realpath(directory))
         chain = [*reversed(real.parents), real]
@@ -107,6 +108,7 @@ def trusted_owners(
                     and parent.st_uid == 0
                     and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
                 )
+                system = _system_uid_max() if delegate and given else -1
                 if not (st.st_uid in named or (given and 0 < st.st_uid <= system)):
                     return frozenset(), f"{_describe(str(path), st)} belongs to another user"
                 owners.add(st.st_uid)

@@ -200,6 +200,8 @@ class Ticket:
         i = self._index.get(name)
         if i is None:
             return "ready"
+        if self.finished.is_set():  # every state is final: no lock, nothing to wait for
+            return "read" if self._read_at_once(self._state[i], i) else "ready"
         outcome = self._wait_for_read(i, timeout)
         own_reads = self._own_reads  # once: the request may end (and drop it) meanwhile
         if outcome == "read" and i in self._cold and own_reads is not None:
@@ -214,11 +216,9 @@ class Ticket:
         waited = False  # a bounded wait began: how it ends goes into _waits
         while True:
             with self._cond:
-                state, resident = self._state[i], self._resident
-                if state != _READY and resident is not None and resident[i]:
-                    return "read"  # in the page cache already: nothing to wait for
-                if state == _OWN:
-                    return "read"  # so little was cold that it was never asked for
+                state = self._state[i]
+                if self._read_at_once(state, i):
+                    return "read"
                 envelopes = self._envelopes
                 if (
                     state == _PENDING
@@ -259,6 +259,13 @@ class Ticket:
                     self._cond.wait(None if until == np.inf else until - now)
             if envelopes is not None and envelopes.cached(i, lambda: self._cached(i)):
                 return "read"  # its file's turn in the full check has not come yet
+
+    def _read_at_once(self, state: int, i: int) -> bool:
+        """Tensor ``i`` is read now, not waited for: it was in the page cache when the
+        request went out (and not warmed since), or so little was cold that it was never
+        asked for."""
+        resident = self._resident
+        return state == _OWN or (state != _READY and resident is not None and bool(resident[i]))
 
     def _look_up_from(self, envelopes: TensorEnvelopes | None) -> Any:
         """The residency check begins (the loader may look tensors up in ``envelopes``
@@ -356,6 +363,8 @@ class Ticket:
         yet read share its cells. Returns at once: reports go out in batches, at most
         ``_REPORT_DELAY`` later (a loader of many small tensors would otherwise spend a
         gRPC call on each, on cores the load needs)."""
+        if self.finished.is_set():
+            return  # as below, without the lock: a resident load calls this per tensor
         with self._cond:
             if self.finished.is_set():
                 return  # the stream is over, or never began: no request to tell

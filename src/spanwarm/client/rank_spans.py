@@ -230,7 +230,14 @@ def rank_spans(
     # Pieces are numbered in transformers' order; with no conversion nothing is numbered,
     # and the sort (milliseconds per thousand keys) would only delay the request.
     names = sorted(ckpt.pieces, key=natural_key) if conversions or key_map else ckpt.pieces
+    identity = key_map is None and not conversions  # each name is its own key: no routing
     for name in names:
+        if identity:
+            if name in state_dict:
+                by_state_key[name] = [(name, None, 0)]
+            else:
+                unmatched_names.append(name)
+            continue
         route = _route(name, to_state_key, conversions)
         key = route.target if isinstance(route, Converted) else route
         if key is None or key not in state_dict:

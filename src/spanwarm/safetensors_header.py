@@ -356,16 +356,36 @@ def _shard_path(root: Path, real_root: str, index: Path, name: str) -> str:
     return str(path)
 
 
+class _Memo:
+    """At most ``size`` entries, the least recently used dropped first; thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self._entries: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._size = size
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+
+
 # Shard names per index file, keyed as the header cache keys a file (a rewritten index
 # misses): a loader opens one checkpoint more than once (its own pass, then spanwarm's),
 # and parsing a weight map of thousands of keys costs a millisecond. Paths are still
 # resolved and checked on every call (a shard may be swapped for a link since).
-_INDEX_NAMES: OrderedDict[tuple[str, int, int, int, int], list[str]] = OrderedDict()
-_INDEX_NAMES_MAX = 64
-_memo_lock = threading.Lock()
+_INDEX_NAMES = _Memo(64)
 
 
-def _index_names(index_path: Path) -> list[str]:
+def _index_names(index_path: Path) -> tuple[str, ...]:
     """The sorted shard names of an index's weight map, validated as JSON (memoised)."""
     # O_NONBLOCK: a FIFO in the index's place must not hang the loader; refused below.
     with open(os.open(index_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
@@ -373,10 +393,9 @@ def _index_names(index_path: Path) -> list[str]:
         if not stat.S_ISREG(st.st_mode):
             raise IndexFormatError(index_path, "is not a regular file")
         key = (str(index_path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        with _memo_lock:
-            names = _INDEX_NAMES.get(key)
-        if names is not None:
-            return names
+        known: tuple[str, ...] | None = _INDEX_NAMES.get(key)
+        if known is not None:
+            return known
         raw = f.read()
     try:
         document = json.loads(raw)
@@ -388,11 +407,8 @@ def _index_names(index_path: Path) -> list[str]:
     for value in weight_map.values():
         if not isinstance(value, str) or not value:
             raise IndexFormatError(index_path, f"weight_map value {value!r} is not a file name")
-    names = sorted(set(weight_map.values()))
-    with _memo_lock:
-        _INDEX_NAMES[key] = names
-        while len(_INDEX_NAMES) > _INDEX_NAMES_MAX:
-            _INDEX_NAMES.popitem(last=False)
+    names = tuple(sorted(set(weight_map.values())))  # shared by every later caller
+    _INDEX_NAMES.put(key, names)
     return names
 
 
@@ -477,23 +493,16 @@ def _locate_tensors(
 # Checkpoints by their headers (the header cache's objects: one unchanged file, one
 # object), so opening a checkpoint again costs its stats, not thousands of lookups. An
 # entry holds its headers, so no other header can take one's id while it is here.
-_CHECKPOINTS: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()
-_CHECKPOINTS_MAX = 16
+_CHECKPOINTS = _Memo(16)
 
 
 def _checkpoint_of(headers: list[Header]) -> Checkpoint:
     key = tuple(map(id, headers))
-    with _memo_lock:
-        known = _CHECKPOINTS.get(key)
-        if known is not None:
-            _CHECKPOINTS.move_to_end(key)
-            return known
-    checkpoint = Checkpoint(tuple(headers), _locate_tensors(headers))
-    with _memo_lock:
-        _CHECKPOINTS[key] = checkpoint
-        while len(_CHECKPOINTS) > _CHECKPOINTS_MAX:
-            _CHECKPOINTS.popitem(last=False)
-    return checkpoint
+    known: Checkpoint | None = _CHECKPOINTS.get(key)
+    if known is None:
+        known = Checkpoint(tuple(headers), _locate_tensors(headers))
+        _CHECKPOINTS.put(key, known)
+    return known
 
 
 def open_checkpoint(

@@ -638,8 +638,12 @@ class Client:
             if g == len(nbytes):
                 nbytes.append(0)
             nbytes[g] += s.length * s.count
-            file_of(f), offset(s.offset), length(s.length), stride(s.stride)
-            count(s.count), group_of(g)
+            file_of(f)
+            offset(s.offset)
+            length(s.length)
+            stride(s.stride)
+            count(s.count)
+            group_of(g)
         ticket = Ticket(list(groups), nbytes)
         if self.disabled:
             ticket._release()

@@ -588,8 +588,12 @@ def main() -> None:
                 f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}` "
                 f"(seek cost {format_bytes(seek_cost)}, as the daemon probed it)"
             )
-            lines += summarize(label, runs)
-            figures.append({"mount": preset, "layout": layout, **paired(runs)})
+            figures.append({"mount": preset, "layout": layout})
+            if runs:  # --reps 0: only the resident pairs
+                lines += summarize(label, runs)
+                figures[-1].update(paired(runs))
+            else:
+                lines.append(f"\n### {label}\n")
             if warm:
                 lines.append(
                     f"Already resident (page cache warm, {args.warm_reps} paired runs): none "

@@ -292,6 +292,19 @@ class HeaderCache:
 
     def read(self, path: str | os.PathLike[str]) -> Header:
         name = os.fspath(path)
+        try:  # a hit needs no descriptor: one stat (a rank opens a checkpoint twice)
+            st = os.stat(name)
+        except OSError:
+            pass  # said precisely by the open below
+        else:
+            if stat.S_ISREG(st.st_mode):
+                key = (name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                with self._lock:
+                    cached = self._entries.get(key)
+                    if cached is not None:
+                        self._entries.move_to_end(key)
+                        self.hits += 1
+                        return cached
         # O_NONBLOCK: opening a FIFO must not hang; it is refused right after fstat.
         try:
             fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -337,6 +350,14 @@ def read_header(path: str | os.PathLike[str], *, cache: HeaderCache | None = Non
 
 
 def _shard_path(root: Path, real_root: str, index: Path, name: str) -> str:
+    if "/" not in name and name not in (".", ".."):  # in the directory itself: no pathlib
+        top = str(root)
+        joined = name if top == "." else os.path.join(top, name)  # as str(root / name)
+        try:
+            if not stat.S_ISLNK(os.lstat(joined).st_mode):
+                return joined  # no link: inside, and there
+        except FileNotFoundError:
+            raise ShardMissingError(index, f"shard {name!r} does not exist") from None
     if os.path.isabs(name) or ".." in Path(name).parts:
         raise ShardOutsideCheckpointError(index, f"shard {name!r} is outside {root}")
     path = root / name

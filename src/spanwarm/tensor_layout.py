@@ -183,6 +183,8 @@ def _piece_spans(
 
 def global_shape(pieces: Sequence[tuple[Header, TensorInfo]]) -> tuple[int, ...]:
     """The global shape covered by a tensor's stored pieces (one full tensor: its shape)."""
+    if len(pieces) == 1 and not any(pieces[0][1].global_offset):
+        return pieces[0][1].shape  # a tensor stored whole: the common case, per tensor
     shapes = [
         tuple(o + s for o, s in zip(t.global_offset, t.shape, strict=True)) for _, t in pieces
     ]

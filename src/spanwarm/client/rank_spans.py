@@ -98,6 +98,16 @@ class _Coordinates:
     def __init__(self, rank: int | None) -> None:
         self.rank = rank
         self._known: dict[int, tuple[Any, tuple[int, ...] | None]] = {}
+        self._shapes: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+    def shape(self, mesh: Any) -> tuple[int, ...]:
+        """``tuple(mesh.shape)``, memoised: torch computes it from the layout each time."""
+        known = self._shapes.get(id(mesh))
+        if known is not None and known[0] is mesh:
+            return known[1]
+        shape = tuple(mesh.shape)
+        self._shapes[id(mesh)] = (mesh, shape)
+        return shape
 
     def __call__(self, mesh: Any) -> tuple[int, ...] | None:
         known = self._known.get(id(mesh))
@@ -137,7 +147,10 @@ def _read_runs(
         return False
     placements = _placements_of(value)
     if converted is None:
-        return _direct_runs(name, value, stored_shape, stored_dtype, coordinate, placements)
+        mesh_shape = coordinates.shape(mesh)
+        return _direct_runs(
+            name, value, stored_shape, stored_dtype, mesh_shape, coordinate, placements
+        )
     why = ""
     if not converted.exact:
         why = f"conversion {[str(op) for op in converted.ops]} is not stack/concatenate/chunk"
@@ -147,7 +160,7 @@ def _read_runs(
         why = "packed float4 targets are not modelled through conversions"
     else:
         runs = read_runs(
-            stored_shape, tuple(value.shape), tuple(mesh.shape), coordinate, placements, index
+            stored_shape, tuple(value.shape), coordinates.shape(mesh), coordinate, placements, index
         )
         if runs is not None:
             return runs
@@ -161,6 +174,7 @@ def _direct_runs(
     value: Any,
     stored_shape: tuple[int, ...],
     stored_dtype: str,
+    mesh_shape: tuple[int, ...],
     coordinate: tuple[int, ...],
     placements: tuple[Placement, ...] | None,
 ) -> tuple[IndexRuns, ...] | None:
@@ -176,7 +190,7 @@ def _direct_runs(
         )
         logger.debug("%s: %s; reading the whole tensor", name, why)
         return Everything
-    runs = local_index_runs(shape, tuple(value.device_mesh.shape), coordinate, placements)
+    runs = local_index_runs(shape, mesh_shape, coordinate, placements)
     if f4_packed and runs:  # one torch element holds two logical F4 values
         runs = (*runs[:-1], tuple((2 * a, 2 * b) for a, b in runs[-1]))
     return runs

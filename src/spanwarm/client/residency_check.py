@@ -120,6 +120,10 @@ class ResidencyCheck:
         self._deadline = time.monotonic() + _SAMPLED_SECONDS
         self._by_file = np.argsort(f, kind="stable")  # each file's envelopes, in one sort
         self._bounds = np.searchsorted(f[self._by_file], np.arange(len(self._files) + 1))
+        # The probe's ranges as plain ints, file by file: numpy's cost per call is more
+        # than a resident file's system calls.
+        self._file_lo = lo[self._by_file].tolist()
+        self._file_hi = hi[self._by_file].tolist()
         self._next = 0  # the next file to look at
         self._lookups = TensorEnvelopes(self._files, g, f, lo, hi, names)
         self.resident = ticket._look_up_from(self._lookups)
@@ -141,15 +145,15 @@ class ResidencyCheck:
         while not self.done:
             position = self._next
             self._next += 1
-            mine = self._by_file[bounds[position] : bounds[position + 1]]
-            self._look_at(position, mine)
+            rows = slice(bounds[position], bounds[position + 1])
+            mine = self._by_file[rows]
+            cached = self._look_at(position, mine, rows)
             if budget_s is None:
                 self._publish(mine)  # the loader is reading meanwhile: file by file
                 continue
             looked.append(mine)
-            if (
-                time.monotonic() - began > budget_s
-                or (self._missing[mine] > self._slack[self._g[mine]]).any()
+            if time.monotonic() - began > budget_s or (
+                not cached and (self._missing[mine] > self._slack[self._g[mine]]).any()
             ):
                 break
         if looked:  # in line, nobody looks before request() returns: once, at the end
@@ -162,10 +166,11 @@ class ResidencyCheck:
         self._ticket._look_up_from(None)
         self._lookups.close()
 
-    def _look_at(self, position: int, mine: Any) -> None:
-        """One file: the missing bytes of its envelopes ``mine``."""
+    def _look_at(self, position: int, mine: Any, rows: slice) -> bool:
+        """One file: the missing bytes of its envelopes ``mine`` (``rows`` of the
+        by-file order); True when the probe found every one of them cached."""
         if not mine.size:
-            return
+            return True
         lo, hi, missing = self._lo, self._hi, self._missing
         try:
             fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -175,7 +180,10 @@ class ResidencyCheck:
             if fd < 0:
                 pass
             elif residency_trusted(fd):
-                probed = probably_cached(fd, lo[mine], hi[mine])
+                probed = probably_cached(fd, self._file_lo[rows], self._file_hi[rows])
+                if probed is not None and probed.all():  # resident: the common case, short
+                    missing[mine] = 0
+                    return True
                 unseen = mine if probed is None else mine[~probed]
                 if probed is not None:
                     missing[mine[probed]] = 0
@@ -198,6 +206,7 @@ class ResidencyCheck:
         finally:
             if fd >= 0:
                 os.close(fd)
+        return False
 
     def _publish(self, mine: Any) -> None:
         """Envelopes ``mine`` have been looked at: the tensors with all of theirs looked

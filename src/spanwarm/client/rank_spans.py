@@ -25,7 +25,7 @@ from spanwarm.placements import (
     StridedShard,
     local_index_runs,
 )
-from spanwarm.safetensors_header import Checkpoint, open_checkpoint
+from spanwarm.safetensors_header import Checkpoint, Header, TensorInfo, open_checkpoint
 from spanwarm.tensor_layout import TensorSpans, global_shape, stored_tensor_spans
 
 if TYPE_CHECKING:
@@ -126,6 +126,14 @@ class _Coordinates:
         return coordinate
 
 
+@functools.cache
+def _dtensor_type() -> Any:
+    """torch's DTensor, imported once (an import statement per tensor costs a lookup)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def _read_runs(
     name: str,
     value: Any,
@@ -137,9 +145,7 @@ def _read_runs(
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
     """Global index runs this rank reads of checkpoint tensor ``name``, which fills ``value``
     directly or through ``converted``: None = all of it, False = none."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(value, DTensor):
+    if not isinstance(value, _dtensor_type()):
         return Everything
     mesh = value.device_mesh
     coordinate = coordinates(mesh)
@@ -237,21 +243,14 @@ def rank_spans(
     if unmatched not in ("warm", "skip"):
         raise ValueError(f"unmatched must be 'warm' or 'skip', not {unmatched!r}")
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    if key_map is None and not conversions:  # each name is its own key: no routing
+        return _identity_spans(state_dict, ckpt, unmatched, _Coordinates(rank))
     to_state_key = _mapper(key_map)
     by_state_key: dict[str, list[tuple[str, Converted | None, int]]] = {}
     collected: dict[tuple[str, str], int] = {}  # (target, source pattern) -> pieces so far
     unmatched_names: list[str] = []
-    # Pieces are numbered in transformers' order; with no conversion nothing is numbered,
-    # and the sort (milliseconds per thousand keys) would only delay the request.
-    names = sorted(ckpt.pieces, key=natural_key) if conversions or key_map else ckpt.pieces
-    identity = key_map is None and not conversions  # each name is its own key: no routing
-    for name in names:
-        if identity:
-            if name in state_dict:
-                by_state_key[name] = [(name, None, 0)]
-            else:
-                unmatched_names.append(name)
-            continue
+    # Pieces are numbered in transformers' order, as transformers collects them.
+    for name in sorted(ckpt.pieces, key=natural_key):
         route = _route(name, to_state_key, conversions)
         key = route.target if isinstance(route, Converted) else route
         if key is None or key not in state_dict:
@@ -265,25 +264,59 @@ def rank_spans(
             (name, route if isinstance(route, Converted) else None, index)
         )
 
-    missing = [key for key in state_dict if key not in by_state_key]
-    if missing:
-        shown = ", ".join(missing[:20]) + (
-            f", ... ({len(missing)} in all)" if len(missing) > 20 else ""
-        )
-        logger.warning("%d state-dict keys are not in the checkpoint: %s", len(missing), shown)
-
+    _warn_missing([key for key in state_dict if key not in by_state_key])
     coordinates = _Coordinates(rank)
     out: list[TensorSpans] = []
     for key, value in state_dict.items():
         for name, converted, index in by_state_key.get(key, ()):
-            pieces = ckpt.pieces[name]
-            shape = global_shape(pieces)
-            runs = _read_runs(name, value, shape, pieces[0][1].dtype, coordinates, converted, index)
-            if runs is not False:
-                out.extend(stored_tensor_spans(name, pieces, runs))
+            out.extend(_tensor_spans(name, value, ckpt.pieces[name], coordinates, converted, index))
     if unmatched == "warm":
         in_file_order = set(unmatched_names)
         for name in ckpt.pieces:
             if name in in_file_order:
                 out.extend(stored_tensor_spans(name, ckpt.pieces[name], Everything))
     return out
+
+
+def _identity_spans(
+    state_dict: Mapping[str, Any],
+    ckpt: Checkpoint,
+    unmatched: Literal["warm", "skip"],
+    coordinates: _Coordinates,
+) -> list[TensorSpans]:
+    """:func:`rank_spans` where every checkpoint name is its own state-dict key: a lookup
+    per key, nothing sorted or routed (a resident rank's request is this, per tensor)."""
+    pieces_of = ckpt.pieces
+    _warn_missing([key for key in state_dict if key not in pieces_of])
+    out: list[TensorSpans] = []
+    for key, value in state_dict.items():
+        pieces = pieces_of.get(key)
+        if pieces is not None:
+            out.extend(_tensor_spans(key, value, pieces, coordinates, None, 0))
+    if unmatched == "warm":
+        for name, pieces in pieces_of.items():
+            if name not in state_dict:
+                out.extend(stored_tensor_spans(name, pieces, Everything))
+    return out
+
+
+def _tensor_spans(
+    name: str,
+    value: Any,
+    pieces: Sequence[tuple[Header, TensorInfo]],
+    coordinates: _Coordinates,
+    converted: Converted | None,
+    index: int,
+) -> list[TensorSpans]:
+    """The spans this rank reads of checkpoint tensor ``name`` (stored as ``pieces``)."""
+    shape = global_shape(pieces)
+    runs = _read_runs(name, value, shape, pieces[0][1].dtype, coordinates, converted, index)
+    return [] if runs is False else stored_tensor_spans(name, pieces, runs)
+
+
+def _warn_missing(missing: list[str]) -> None:
+    if missing:
+        shown = ", ".join(missing[:20]) + (
+            f", ... ({len(missing)} in all)" if len(missing) > 20 else ""
+        )
+        logger.warning("%d state-dict keys are not in the checkpoint: %s", len(missing), shown)

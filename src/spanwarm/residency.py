@@ -181,7 +181,10 @@ def probably_cached(
     """Per range ``[lo[i], hi[i])`` of open file ``fd``: True where every page looked at
     is in the page cache, pages still being read included (``cachestat(2)``): all of a
     range up to 1 MiB, and of a longer one a 64 KiB window every 4 MiB from its first
-    byte and one ending at its last. The cost follows the ranges, not their bytes: an
+    byte and one ending at its last. Ranges that touch (one starts where another ends)
+    are looked at as one run, and a window missing pages settles every range of its run
+    (a caller counts those exactly if it needs to know which). The cost follows the
+    ranges, not their bytes: an
     exact count of a rank's resident share, page by page, was a tenth of its load's CPU
     (6144 lookups for one 24 MiB tensor, as long as copying a few MiB of it). So a hole
     of up to 4 MiB between windows can go unseen: for a reader deciding what to read
@@ -189,16 +192,25 @@ def probably_cached(
     bytes are warm. An empty range is cached; one past the end of the file is not. None
     where the kernel will not say."""
     size = os.fstat(fd).st_size
-    answer = np.zeros(len(lo), dtype=bool)
     # Plain ints: a rank's check probes a few ranges a file, where numpy's per-call cost
     # (microseconds) is more than the system calls'.
-    ranges = zip(_ints(lo), _ints(hi), strict=True)
-    for i, (start, stop) in enumerate(ranges):
+    starts, stops = _ints(lo), _ints(hi)
+    answer = np.zeros(len(starts), dtype=bool)
+    # A range that starts where the run before it ends (a rank's whole tensors side by
+    # side in a file) joins that run: one set of windows for all of them.
+    runs: list[tuple[int, int, list[int]]] = []
+    for i in sorted(range(len(starts)), key=starts.__getitem__):
+        start, stop = starts[i], stops[i]
         if stop <= start:
             answer[i] = True
+        elif stop > size:
             continue
-        if stop > size:
-            continue
+        elif runs and runs[-1][1] == start:
+            runs[-1][2].append(i)
+            runs[-1] = (runs[-1][0], stop, runs[-1][2])
+        else:
+            runs.append((start, stop, [i]))
+    for start, stop, members in runs:
         first = start - start % PAGE
         if stop - first <= _PROBE_WHOLE:
             windows = [(first, stop - first)]
@@ -214,7 +226,7 @@ def probably_cached(
             if pages < (length + PAGE - 1) // PAGE:
                 break
         else:
-            answer[i] = True
+            answer[members] = True
     return answer
 
 

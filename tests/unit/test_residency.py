@@ -340,6 +340,46 @@ def test_a_probe_sees_what_its_windows_cover_and_only_that(tmp_path: Path) -> No
         os.close(fd)
 
 
+def test_touching_ranges_are_probed_as_one_run(tmp_path: Path) -> None:
+    """Three 3 MiB ranges side by side (a rank's whole tensors in a file) share one set of
+    windows: 0, 4 and 8 MiB and one ending at 9 MiB. A page missing at 4 MiB lies under
+    the run's window, though between the middle range's own windows (3 MiB and its
+    end), so every range of the run is not cached; the exact count says which holds it.
+    Resident throughout, all three are cached; a range that only overlaps another is
+    looked at on its own."""
+    path = write_file(tmp_path / "f.bin", 16 * MiB)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads bring in nothing else
+        lo = np.array([3 * MiB, 0, 6 * MiB], dtype=np.int64)  # any order
+        hi = lo + 3 * MiB
+        assert len(os.pread(fd, 16 * MiB, 0)) == 16 * MiB
+        probed = probably_cached(fd, lo, hi)
+        if probed is None:
+            pytest.skip("cachestat(2) is not available here")
+        for _ in range(5):  # idle reclaim may take a page meanwhile: look again
+            if probed is not None and probed.all():
+                break
+            probed = probably_cached(fd, lo, hi)
+        assert probed is not None
+        assert probed.tolist() == [True, True, True]
+        os.posix_fadvise(fd, 4 * MiB, PAGE, os.POSIX_FADV_DONTNEED)
+        assert missing_bytes(fd, lo[:1], hi[:1])[0] >= PAGE  # the middle range holds it
+        assert np.array_equal(probably_cached(fd, lo, hi), [False, False, False])  # type: ignore[arg-type]
+        # On its own, the middle range's windows (3 MiB, 6 MiB - 64 KiB) miss the hole.
+        assert np.array_equal(probably_cached(fd, lo[:1], hi[:1]), [True])  # type: ignore[arg-type]
+        # Overlapping, not touching: each range is looked at alone (as one run, 0 to
+        # 5 MiB, its window at 4 MiB would see the hole).
+        overlapping = np.array([0, 2 * MiB], dtype=np.int64)
+        assert np.array_equal(
+            probably_cached(fd, overlapping, overlapping + 3 * MiB),  # type: ignore[arg-type]
+            [True, True],
+        )
+    finally:
+        os.close(fd)
+
+
 def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]) -> None:
     _, fd = cold
     os.pread(fd, 4 * MiB, 0)  # the first 4 MiB resident (FADV_RANDOM: nothing more)

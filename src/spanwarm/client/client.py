@@ -489,9 +489,10 @@ class Ticket:
         with self._cond:
             if progress:
                 self._progress_at = time.monotonic()
+            states, n = self._state, len(self._state)
             for i in groups:
-                if 0 <= i < len(self._state) and self._state[i] == _PENDING:
-                    self._state[i] = state
+                if 0 <= i < n and states[i] == _PENDING:
+                    states[i] = state
                     self._pending -= 1
                     if reason:
                         self.failures[self._names[i]] = reason
@@ -649,8 +650,7 @@ class Client:
             ticket._release()
             return ticket
         # The WarmRequest is built on the ticket's thread, of the spans the residency
-        # check leaves: a resident load builds none.
-        header = {"job": _job_id(job), "rank": _rank() if rank is None else rank}
+        # check leaves: a resident load builds none, nor its header (the rank).
         collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
         check = None
         if self.read_yourself:
@@ -676,6 +676,7 @@ class Client:
                 except (EndpointUnsafe, OSError) as exc:
                     self._warn_unreachable(exc)
                 return ticket
+        header = {"job": _job_id(job), "rank": _rank() if rank is None else rank}
         thread = threading.Thread(
             target=self._consume,
             args=(ticket, collected, header, check),

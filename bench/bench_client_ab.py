@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: bench/ is on the path, not its parent
@@ -56,15 +57,17 @@ def main() -> None:
         e2e.build_checkpoint(source, args.load)
         script, world, extra = "e2e_rank.py", e2e.WORLD, ("--experts", str(e2e.EXPERTS))
         stderr = None
-    rows: dict[str, list[tuple[float, float]]] = {"none": [], "base": [], "new": []}
+    # Per run: wall, MiB read from storage, the ranks' CPU (all threads, summed) and the
+    # slowest rank's request() (spanwarm arms; e2e loads only).
+    rows: dict[str, list[tuple[float, float, float, float]]] = {"none": [], "base": [], "new": []}
     flags = ("--log-level", "warning", "--state-dir", str(args.data / "state"))
     with e2e.mounted(source, "local") as (checkpoint, fs), spawn_daemon(*flags) as daemon:
         paths = sorted(checkpoint.glob("*.safetensors"))
 
-        def run(arm: str) -> dict[str, float]:
+        def run(arm: str) -> dict[str, Any]:
             for path in paths if args.resident else ():
                 path.read_bytes()  # what idle reclaim took back since the last run
-            result: dict[str, float] = e2e.run_local_ranks(
+            result: dict[str, Any] = e2e.run_local_ranks(
                 script,
                 "none" if arm == "none" else "spanwarm",
                 checkpoint,
@@ -93,15 +96,28 @@ def main() -> None:
                     if saved is not None:
                         os.environ["PYTHONPATH"] = saved
                 mib = result["storage_bytes"] / 2**20
-                rows[arm].append((result["wall_s"], mib))
-                print(f"rep {rep} {arm}: {result['wall_s']:.2f} s, {mib:.0f} MiB", flush=True)
+                ranks = result["results"]
+                cpu = sum(r.get("cpu_s", 0.0) for r in ranks)
+                request = max(r.get("request_s") or 0.0 for r in ranks)
+                rows[arm].append((result["wall_s"], mib, cpu, request))
+                print(
+                    f"rep {rep} {arm}: {result['wall_s']:.3f} s, {mib:.0f} MiB, ranks' CPU "
+                    f"{cpu:.3f} s, request() {1e3 * request:.1f} ms",
+                    flush=True,
+                )
     for arm, rs in rows.items():
-        wall = statistics.median(r[0] for r in rs)
-        mib = statistics.median(r[1] for r in rs)
-        print(f"{arm}: wall {wall:.3f} s, read from storage {mib:.0f} MiB (medians)")
+        wall, mib, cpu, request = (statistics.median(r[i] for r in rs) for i in range(4))
+        print(
+            f"{arm}: wall {wall:.3f} s (fastest {min(r[0] for r in rs):.3f} s), read from "
+            f"storage {mib:.0f} MiB, ranks' CPU {cpu:.3f} s, request() {1e3 * request:.1f} ms"
+            " (medians)"
+        )
     for a, b in (("none", "new"), ("none", "base"), ("base", "new")):
-        ratio = statistics.median(x[0] / y[0] for x, y in zip(rows[a], rows[b], strict=True))
-        print(f"paired {a}/{b}: {ratio:.3f}")
+        pairs = list(zip(rows[a], rows[b], strict=True))
+        wall = statistics.median(x[0] / y[0] for x, y in pairs)
+        cpus = [x[2] / y[2] for x, y in pairs if y[2] > 0]  # tf ranks do not report it
+        cpu = f", ranks' CPU {statistics.median(cpus):.3f}" if cpus else ""
+        print(f"paired {a}/{b}: wall {wall:.3f}{cpu}")
 
 
 if __name__ == "__main__":

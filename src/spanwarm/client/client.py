@@ -308,8 +308,10 @@ class Ticket:
         the emulated cross-region loads, measured, and one request's reads of a slow
         mount would lengthen its waits on a fast one.)"""
         i = self._index.get(name)
+        if i is None or i not in self._cold:
+            return  # as below, without the lock: a resident load calls this per tensor
         with self._cond:
-            if i is None or i not in self._cold or not seconds > 0:
+            if i not in self._cold or not seconds > 0:
                 return
             self._cold.discard(i)
             self._own_samples.append((int(self._cold_bytes[i]), seconds))

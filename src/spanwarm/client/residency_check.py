@@ -62,7 +62,6 @@ def _starts(changed: Any) -> Any:
     return np.concatenate((_TRUE, changed))
 
 
-
 def note_residency(ticket: Any, spans: Any, *, before: Callable[[], None] = lambda: None) -> Any:
     """:class:`ResidencyCheck` of ``ticket``'s ``spans``, all of it, with ``before`` run
     once the loader may look tensors up; returns which tensors are resident."""

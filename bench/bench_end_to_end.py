@@ -71,22 +71,11 @@ HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE, VOCAB = 2048, 8, 32, 768, 32000
 WORLD, LOCAL_WORLD = 8, 2
 ARMS = ("none", "whole", "spanwarm", "limit")
 WORKERS, CHUNK = 8, 8 * 2**20  # the daemon's defaults: operations in flight, their size
-# Every rank process, every arm:
-# - OMP_NUM_THREADS=1, as torchrun sets it for more than one local rank: torch's threads
-#   of two ranks on two cores otherwise spin against each other, which made resident
-#   loads' CPU 0.35-0.7 s a rank where one rank alone takes 0.12 s, and every arm's walls
-#   swing twofold.
-# - glibc's mmap and trim thresholds fixed: a rank copies each slice into a fresh host
-#   tensor and drops it, and with the thresholds glibc adjusts as it goes, whether that
-#   memory is reused or mapped and faulted anew depends on the heap's history. A resident
-#   per-expert rank's load took 61-68 ms or 129-136 ms at random, either arm (its 3 MiB
-#   experts copied in 0.33 or 1.5 ms each). A real load copies into parameters allocated
-#   once (on the GPU), so the figures keep the reuse.
-RANK_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(2**30),
-    "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1),
-}
+# Every rank process, every arm: OMP_NUM_THREADS=1, as torchrun sets it for more than one
+# local rank: torch's threads of two ranks on two cores otherwise spin against each
+# other, which made resident loads' CPU 0.35-0.7 s a rank where one rank alone takes
+# 0.12 s, and every arm's walls swing twofold.
+RANK_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def build_checkpoint(directory: Path, layout: str) -> list[Path]:

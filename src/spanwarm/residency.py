@@ -184,13 +184,12 @@ def probably_cached(
     byte and one ending at its last. Ranges that touch (one starts where another ends)
     are looked at as one run, and a window missing pages settles every range of its run
     (a caller counts those exactly if it needs to know which). The cost follows the
-    ranges, not their bytes: an
-    exact count of a rank's resident share, page by page, was a tenth of its load's CPU
-    (6144 lookups for one 24 MiB tensor, as long as copying a few MiB of it). So a hole
-    of up to 4 MiB between windows can go unseen: for a reader deciding what to read
-    itself, which then reads such a hole cold, as it would have anyway; never to say
-    bytes are warm. An empty range is cached; one past the end of the file is not. None
-    where the kernel will not say."""
+    ranges, not their bytes: an exact count of a rank's resident share, page by page, was
+    a tenth of its load's CPU (6144 lookups for one 24 MiB tensor, as long as copying a
+    few MiB of it). So a hole of up to 4 MiB between windows can go unseen: for a reader
+    deciding what to read itself, which then reads such a hole cold, as it would have
+    anyway; never to say bytes are warm. An empty range is cached; one past the end of
+    the file is not. None where the kernel will not say."""
     size = os.fstat(fd).st_size
     # Plain ints: a rank's check probes a few ranges a file, where numpy's per-call cost
     # (microseconds) is more than the system calls'.
@@ -204,7 +203,7 @@ def probably_cached(
         if stop <= start:
             answer[i] = True
         elif stop > size:
-            continue
+            pass  # past the end of the file: not cached
         elif runs and runs[-1][1] == start:
             runs[-1][2].append(i)
             runs[-1] = (runs[-1][0], stop, runs[-1][2])

@@ -33,7 +33,6 @@ def one_rank(layout: str, data: Path, socket: str) -> None:
     """In the child: build rank 0's state dict, read the checkpoint, time the request."""
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from bench import e2e_rank
@@ -43,10 +42,7 @@ def one_rank(layout: str, data: Path, socket: str) -> None:
 
     source = data / f"moe-{layout}"
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    meshes = (
-        init_device_mesh("cpu", (WORLD // e2e_rank.TP, e2e_rank.TP)),
-        init_device_mesh("cpu", (WORLD,)),
-    )
+    meshes = e2e_rank.rank_meshes(WORLD)
     checkpoint = open_checkpoint(source)
     state = e2e_rank.build_state_dict(checkpoint, *meshes, EXPERTS)
     state_dict = {name: value for name, (value, _, _) in state.items()}

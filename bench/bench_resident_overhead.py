@@ -30,7 +30,6 @@ if str(HERE.parent) not in sys.path:  # run as a script: bench/ is on the path, 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
@@ -92,10 +91,7 @@ def main() -> None:
     build_checkpoint(source, args.layout)
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    meshes = (
-        init_device_mesh("cpu", (WORLD // e2e_rank.TP, e2e_rank.TP)),
-        init_device_mesh("cpu", (WORLD,)),
-    )
+    meshes = e2e_rank.rank_meshes(WORLD)
     runs: dict[str, list[tuple[float, float]]] = {"none": [], "spanwarm": []}
     with spawn_daemon("--log-level", "warning") as daemon:
         for path in source.glob("*.safetensors"):

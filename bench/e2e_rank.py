@@ -85,6 +85,11 @@ def build_state_dict(
     return state
 
 
+def rank_meshes(world: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """The dense (FSDP x TP) and expert (EP) meshes, on an initialised process group."""
+    return init_device_mesh("cpu", (world // TP, TP)), init_device_mesh("cpu", (world,))
+
+
 def read_whole(paths: list[str] | list[Path]) -> None:
     """The seed's base PR: read these files whole (4 threads, 16 MiB reads)."""
 
@@ -125,8 +130,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
-    dense = init_device_mesh("cpu", (args.world // TP, TP))
-    experts = init_device_mesh("cpu", (args.world,))
+    dense, experts = rank_meshes(args.world)
     checkpoint = open_checkpoint(args.checkpoint)
     state = build_state_dict(checkpoint, dense, experts, args.experts)
     state_dict = {name: value for name, (value, _, _) in state.items()}

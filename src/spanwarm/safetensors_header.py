@@ -298,13 +298,9 @@ class HeaderCache:
             pass  # said precisely by the open below
         else:
             if stat.S_ISREG(st.st_mode):
-                key = (name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-                with self._lock:
-                    cached = self._entries.get(key)
-                    if cached is not None:
-                        self._entries.move_to_end(key)
-                        self.hits += 1
-                        return cached
+                cached = self._hit((name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+                if cached is not None:
+                    return cached
         # O_NONBLOCK: opening a FIFO must not hang; it is refused right after fstat.
         try:
             fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -317,13 +313,9 @@ class HeaderCache:
             if not stat.S_ISREG(st.st_mode):
                 raise NotARegularFileError(name, "is not a regular file")
             key = (name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            with self._lock:
-                cached = self._entries.get(key)
-                if cached is not None:
-                    self._entries.move_to_end(key)
-                    self.hits += 1
-                    return cached
-                self.misses += 1
+            cached = self._hit(key, count_miss=True)
+            if cached is not None:
+                return cached
             header = _parse_header(name, fd, st.st_size)
         finally:
             os.close(fd)
@@ -332,6 +324,20 @@ class HeaderCache:
             while len(self._entries) > self._max_entries:
                 self._entries.popitem(last=False)
         return header
+
+    def _hit(
+        self, key: tuple[str, int, int, int, int], *, count_miss: bool = False
+    ) -> Header | None:
+        """The header cached under ``key``, counted as a hit; None (a miss, counted only
+        with ``count_miss``: the stat before the open looks first, the open decides)."""
+        with self._lock:
+            cached = self._entries.get(key)
+            if cached is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            elif count_miss:
+                self.misses += 1
+            return cached
 
     def clear(self) -> None:
         with self._lock:

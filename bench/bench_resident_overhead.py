@@ -53,6 +53,7 @@ def load(checkpoint_dir: Path, socket: str | None, meshes: tuple[Any, Any]) -> t
         client = Client(socket)
         ticket = client.request_spans(state_dict, checkpoint_dir, job="bench", unmatched="skip")
     handles = {}
+    weights = []  # held to the end of the load, as a model holds its weights (e2e_rank.py)
     for name, (value, placements, mesh) in state.items():
         if ticket is not None:
             ticket.wait_for_read(name)
@@ -69,10 +70,11 @@ def load(checkpoint_dir: Path, socket: str | None, meshes: tuple[Any, Any]) -> t
         else:
             runs = tuple(((0, size),) for size in info.shape)
         for box in itertools.product(*runs):
-            view[tuple(slice(a, b) for a, b in box)].clone()
+            weights.append(view[tuple(slice(a, b) for a, b in box)].clone())
         if ticket is not None:
             ticket.consumed([name])
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    del weights
     if ticket is not None and client is not None:
         ticket.cancel()
         client.close()

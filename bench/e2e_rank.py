@@ -166,6 +166,7 @@ def main() -> None:
         watcher.start()
 
     handles = {}
+    weights: list[torch.Tensor] = []  # what this rank loaded, held to the end as a model would
     outcomes: collections.Counter[str] = collections.Counter()
     # Per tensor: name, outcome, bytes loaded, seconds waited, seconds reading.
     tensors: list[tuple[str, str, int, float, float]] = []
@@ -195,7 +196,11 @@ def main() -> None:
             runs = tuple(((0, size),) for size in info.shape)
         for box in itertools.product(*runs):
             # clone(): a contiguous slice can be a view of the mapping; copying reads it.
-            loaded += view[tuple(slice(a, b) for a, b in box)].clone().nbytes
+            # Kept, as a model's load keeps its weights: each lands in fresh memory. A
+            # clone dropped at once let glibc hand the next one the same pages or not, at
+            # random per process, which made every arm's resident loads 1x or 2x long.
+            weights.append(view[tuple(slice(a, b) for a, b in box)].clone())
+            loaded += weights[-1].nbytes
         tensors.append(
             (name, outcome, loaded - before, reading - waiting, time.monotonic() - reading)
         )

@@ -29,6 +29,7 @@ from spanwarm.memory_map import mapped, mincore
 
 __all__ = [
     "PAGE",
+    "cached_throughout",
     "evict",
     "file_residency",
     "missing_bytes",
@@ -181,52 +182,83 @@ def probably_cached(
     """Per range ``[lo[i], hi[i])`` of open file ``fd``: True where every page looked at
     is in the page cache, pages still being read included (``cachestat(2)``): all of a
     range up to 1 MiB, and of a longer one a 64 KiB window every 4 MiB from its first
-    byte and one ending at its last. Ranges that touch (one starts where another ends)
-    are looked at as one run, and a window missing pages settles every range of its run
-    (a caller counts those exactly if it needs to know which). The cost follows the
-    ranges, not their bytes: an exact count of a rank's resident share, page by page, was
-    a tenth of its load's CPU (6144 lookups for one 24 MiB tensor, as long as copying a
-    few MiB of it). So a hole of up to 4 MiB between windows can go unseen: for a reader
-    deciding what to read itself, which then reads such a hole cold, as it would have
-    anyway; never to say bytes are warm. An empty range is cached; one past the end of
-    the file is not. None where the kernel will not say."""
-    size = os.fstat(fd).st_size
+    byte and one ending at its last (reclaim takes a range read front to back from its
+    front, and a read still under way has yet to reach its end). Ranges that touch (one starts where
+    another ends) are looked at as one run, and a window missing pages settles every
+    range of its run (a caller counts those exactly if it needs to know which). The cost
+    follows the ranges, not their bytes: an exact count of a rank's resident share, page
+    by page, was a tenth of its load's CPU (6144 lookups for one 24 MiB tensor, as long
+    as copying a few MiB of it). So a hole of up to 4 MiB between windows can go unseen:
+    for a reader deciding what to read itself, which then reads such a hole cold, as it
+    would have anyway; never to say bytes are warm. An empty range is cached; one past
+    the end of the file is not. None where the kernel will not say."""
     # Plain ints: a rank's check probes a few ranges a file, where numpy's per-call cost
     # (microseconds) is more than the system calls'.
     starts, stops = _ints(lo), _ints(hi)
     answer = np.zeros(len(starts), dtype=bool)
-    # A range that starts where the run before it ends (a rank's whole tensors side by
-    # side in a file) joins that run: one set of windows for all of them.
+    runs, empty, _ = _probe_runs(starts, stops, os.fstat(fd).st_size)
+    answer[empty] = True
+    for start, stop, members in runs:
+        cached = _run_cached(fd, start, stop)
+        if cached is None:
+            return None
+        if cached:
+            answer[members] = True
+    return answer
+
+
+def cached_throughout(fd: int, lo: list[int], hi: list[int]) -> bool | None:
+    """Whether :func:`probably_cached` finds every range cached, looking no further than
+    the first that is not (a resident rank's check is this, file by file, in line)."""
+    runs, _, past_end = _probe_runs(lo, hi, os.fstat(fd).st_size)
+    if past_end:
+        return False
+    for start, stop, _ in runs:
+        cached = _run_cached(fd, start, stop)
+        if not cached:
+            return cached
+    return True
+
+
+def _probe_runs(
+    starts: list[int], stops: list[int], size: int
+) -> tuple[list[tuple[int, int, list[int]]], list[int], bool]:
+    """The ranges as runs to probe (start, stop, the ranges in it), in file order; the
+    empty ranges; whether any range goes past the end of a file of ``size`` bytes."""
     runs: list[tuple[int, int, list[int]]] = []
+    empty: list[int] = []
+    past_end = False
     for i in sorted(range(len(starts)), key=starts.__getitem__):
         start, stop = starts[i], stops[i]
         if stop <= start:
-            answer[i] = True
+            empty.append(i)
         elif stop > size:
-            pass  # past the end of the file: not cached
+            past_end = True  # not cached
         elif runs and runs[-1][1] == start:
+            # It starts where the run before it ends (a rank's whole tensors side by side
+            # in a file): one set of windows for all of them.
             runs[-1][2].append(i)
             runs[-1] = (runs[-1][0], stop, runs[-1][2])
         else:
             runs.append((start, stop, [i]))
-    for start, stop, members in runs:
-        first = start - start % PAGE
-        if stop - first <= _PROBE_WHOLE:
-            windows = [(first, stop - first)]
-        else:
-            last = stop - _PROBE_WINDOW
-            last -= last % PAGE
-            windows = [(at, _PROBE_WINDOW) for at in range(first, last, _PROBE_SPACING)]
-            windows.append((last, stop - last))
-        for at, length in windows:
-            pages = cached_pages(fd, at, length)
-            if pages is None:
-                return None
-            if pages < (length + PAGE - 1) // PAGE:
-                break
-        else:
-            answer[members] = True
-    return answer
+    return runs, empty, past_end
+
+
+def _run_cached(fd: int, start: int, stop: int) -> bool | None:
+    """Whether every page of ``[start, stop)``'s windows is cached (None: not known)."""
+    first = start - start % PAGE
+    if stop - first <= _PROBE_WHOLE:
+        windows = [(first, stop - first)]
+    else:
+        last = stop - _PROBE_WINDOW
+        last -= last % PAGE
+        windows = [(at, _PROBE_WINDOW) for at in range(first, last, _PROBE_SPACING)]
+        windows.append((last, stop - last))
+    for at, length in windows:
+        pages = cached_pages(fd, at, length)
+        if pages is None or pages < (length + PAGE - 1) // PAGE:
+            return None if pages is None else False
+    return True
 
 
 def _ints(values: np.ndarray | list[int]) -> list[int]:

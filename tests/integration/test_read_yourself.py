@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from spanwarm.client import Client
 from spanwarm.client.access import grant
 from spanwarm.daemon.throughput import mount_name
@@ -216,6 +218,33 @@ def test_a_partly_resident_request_reads_only_the_resident_tensors_at_once(
         # Only the cold tensor was asked for: the daemon planned none of "a"'s bytes.
         assert ticket.plan[0]["needed_bytes"] == 4 * MiB
         assert (ticket.progress.resident, ticket.progress.ready) == (1, 1)
+        ticket.cancel()
+        client.close()
+
+
+@pytest.mark.parametrize("cold_at", [0, 1, 3])
+def test_only_the_cold_file_of_a_resident_request_is_asked_for(
+    tmp_path: Path, cold_at: int
+) -> None:
+    """Three resident files and a cold one, first, between them or last in request order:
+    the in-line check stops at the cold file and the full check goes on from there with
+    what it found (``resident_files``, then ``ResidencyCheck(settled=...)``). The three
+    are read at once, the cold tensor alone is asked for and warmed."""
+    files = [cold_file(tmp_path / f"r{i}.safetensors", 4 * MiB, seed=40 + i) for i in range(3)]
+    for path in files:
+        path.read_bytes()
+    cold = cold_file(tmp_path / "cold.safetensors", 4 * MiB, seed=50)
+    tensors = [span(f"t{i}", path, 0, 4 * MiB) for i, path in enumerate(files)]
+    tensors.insert(cold_at, span("c", cold, 0, 4 * MiB))
+    with running_daemon(*FLAGS) as daemon:
+        client = Client(daemon.socket)
+        ticket = client.request(tensors)
+        assert [ticket.wait_for_read(f"t{i}", timeout=60) for i in range(3)] == ["read"] * 3
+        assert ticket.wait(timeout=60)
+        progress = ticket.progress
+        assert (progress.resident, progress.ready) == (3, 1)
+        assert [(f["path"], f["needed_bytes"]) for f in ticket.plan] == [(str(cold), 4 * MiB)]
+        assert resident(cold, 0, 4 * MiB) == 4 * MiB
         ticket.cancel()
         client.close()
 

@@ -24,6 +24,7 @@ import pytest
 from spanwarm.residency import (
     PAGE,
     SLOW_SAMPLE_S,
+    cached_throughout,
     evict,
     file_residency,
     missing_bytes,
@@ -301,7 +302,8 @@ def test_a_probe_sees_what_its_windows_cover_and_only_that(tmp_path: Path) -> No
     64 KiB windows every 4 MiB from its first byte and one ending at its last: a hole
     under a window, at the last page or anywhere in a short range is seen; a hole between
     windows is not (documented: the rank reads it cold itself), while missing_bytes,
-    the exact count, still finds it. Cold, past the end of the file: not cached."""
+    the exact count, still finds it. Cold, past the end of the file: not cached.
+    ``cached_throughout`` agrees, range by range and for a set of them."""
     path = write_file(tmp_path / "f.bin", 32 * MiB)
     evict(path)
     fd = os.open(path, os.O_RDONLY)
@@ -333,6 +335,10 @@ def test_a_probe_sees_what_its_windows_cover_and_only_that(tmp_path: Path) -> No
             probed = probably_cached(fd, lo, hi)
         assert probed is not None
         assert probed.tolist() == expected
+        for i, cached in enumerate(expected):
+            assert cached_throughout(fd, [int(lo[i])], [int(hi[i])]) is cached
+        assert cached_throughout(fd, [0, 4 * MiB], [4 * MiB, 8 * MiB]) is True  # one run
+        assert cached_throughout(fd, [0, 8 * MiB], [4 * MiB, 9 * MiB]) is False
         assert missing_bytes(fd, lo[1:2], hi[1:2]).tolist() == [2 * MiB]  # the exact count
         evict(path)
         assert np.array_equal(probably_cached(fd, lo[:2], hi[:2]), [False, False])  # type: ignore[arg-type]
@@ -581,3 +587,38 @@ def test_a_partly_resident_tensor_is_waited_for_as_long_as_its_cold_part_takes(
     ticket._set_read_times(np.array([100.0 * MiB]), last=True)
     # 4 MiB at 100 MiB/s: 40 ms; all 16 MiB would take 160.
     assert 0.035 < float(ticket._read_yourself_s[0]) < 0.06, ticket._read_yourself_s
+
+
+def test_resident_files_stops_at_the_first_file_not_resident_throughout(tmp_path: Path) -> None:
+    """The in-line check of a resident rank counts the files, in request order, whose
+    envelopes the probe finds cached, and stops at the first that is not: evicted, a
+    hole under a window, an envelope past the end, or a file that will not open."""
+    from spanwarm.client.residency_check import resident_files
+
+    files = [write_file(tmp_path / f"{i}.bin", 8 * MiB) for i in range(3)]
+    for path in files:  # read in small folios: a page of one can be dropped alone
+        evict(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            assert len(os.pread(fd, 8 * MiB, 0)) == 8 * MiB
+        finally:
+            os.close(fd)
+    whole: list[tuple[list[int], list[int]]] = [([0, 4 * MiB], [4 * MiB, 8 * MiB])] * 3
+    names = [str(p) for p in files]
+    found = resident_files(names, whole, budget_s=10)
+    for _ in range(5):  # idle reclaim may take a page meanwhile: look again
+        if found == 3:
+            break
+        found = resident_files(names, whole, budget_s=10)
+    assert found == 3
+    assert resident_files(names, [*whole[:2], ([0], [8 * MiB + 1])], budget_s=10) == 2
+    assert resident_files([names[0], str(tmp_path / "gone.bin"), names[2]], whole, budget_s=10) == 1
+    fd = os.open(files[1], os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 4 * MiB, PAGE, os.POSIX_FADV_DONTNEED)  # under its 4 MiB window
+    finally:
+        os.close(fd)
+    assert resident_files(names, whole, budget_s=10) == 1
+    evict(files[0])
+    assert resident_files(names, whole, budget_s=10) == 0

@@ -37,7 +37,7 @@ from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
-from spanwarm.client.residency_check import ResidencyCheck, distinct
+from spanwarm.client.residency_check import ResidencyCheck, distinct, resident_files
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
 from spanwarm.tensor_layout import TensorSpans
@@ -290,6 +290,18 @@ class Ticket:
                 # In the same step (the condition's lock is re-entrant): no reader sees a
                 # tensor resident but still pending.
                 self._mark(resident.tolist(), _RESIDENT)
+
+    def _resident_throughout(self) -> None:
+        """Every tensor was found in the page cache before the request went out: each is
+        read at once, none asked for (what the full check and a release leave, without
+        the check)."""
+        with self._cond:
+            names = len(self._names)
+            self._resident = np.ones(names, dtype=bool)
+            self._known = np.ones(names, dtype=bool)
+            self._cold_bytes[:] = 0.0
+            self._mark(range(names), _RESIDENT)
+        self._release()
 
     def _cached(self, i: int) -> None:
         """Tensor ``i`` was found wholly in the page cache on the loader's thread."""
@@ -633,6 +645,7 @@ class Client:
         columns: tuple[list[int], ...] = ([], [], [], [], [], [])
         file_of, offset, length, stride, count, group_of = (c.append for c in columns)
         absolute: dict[str, int] = {}  # as given -> file number (a few files, many spans)
+        envelopes: dict[tuple[int, int], list[int]] = {}  # (file, tensor) -> first, end
         for s in spans:
             f = absolute.get(s.path, -1)
             if f < 0:
@@ -647,37 +660,57 @@ class Client:
             stride(s.stride)
             count(s.count)
             group_of(g)
+            end = s.offset + s.length
+            if s.count > 1:
+                end += (s.count - 1) * s.stride
+            box = envelopes.get((f, g))
+            if box is None:
+                envelopes[(f, g)] = [s.offset, end]
+            else:
+                box[0] = min(box[0], s.offset)
+                box[1] = max(box[1], end)
         ticket = Ticket(list(groups), nbytes)
         if self.disabled:
             ticket._release()
             return ticket
-        # The WarmRequest is built on the ticket's thread, of the spans the residency
-        # check leaves: a resident load builds none, nor its header (the rank).
-        collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
         check = None
         if self.read_yourself:
             # In line while the files are resident, for up to about 10 ms: a resident
-            # checkpoint is found so in 2-3 ms, with no thread to hand the loader's first
+            # checkpoint is found so in 1-2 ms, with no thread to hand the loader's first
             # tensors over (a second thread of the rank's interpreter wins the GIL back
             # after each of its system calls: the loader waited 2-6 ms for its first
-            # tensor behind that check). The rest goes on the ticket's thread.
+            # tensor behind that check). First in plain ints (resident_files: nothing
+            # else to build where every file is resident), then, from the first file
+            # that is not, with the full check's counts; the rest goes on the ticket's
+            # thread.
+            began = time.monotonic()
             try:
-                check = ResidencyCheck(ticket, collected)
-                everything = check.run(budget_s=_INLINE_CHECK_S) and check.resident.all()
+                per_file: list[tuple[list[int], list[int]]] = [([], []) for _ in files]
+                for (f, _), (first, end) in envelopes.items():
+                    per_file[f][0].append(first)
+                    per_file[f][1].append(end)
+                settled = resident_files(list(files), per_file, budget_s=_INLINE_CHECK_S)
+                if settled == len(files) and groups:
+                    ticket._resident_throughout()
+                    return self._answered_in_line(ticket)
+                collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
+                check = ResidencyCheck(ticket, collected, settled=settled)
+                left = _INLINE_CHECK_S - (time.monotonic() - began)
+                everything = check.run(budget_s=max(left, 0.0)) and check.resident.all()
             except Exception as exc:  # a prefetch problem must never fail the load
                 logger.warning("spanwarm: %s; loading without prefetch", exc)
                 if check is not None:
                     check.close()
                 ticket._release()
                 return ticket
-            if everything and len(ticket._names):
+            if everything and groups:
                 check.close()
-                ticket._release()  # every tensor resident: nothing to ask for, no thread
-                try:  # a few stats: an operator still hears of a missing or unsafe daemon
-                    check_endpoint(self.socket)
-                except (EndpointUnsafe, OSError) as exc:
-                    self._warn_unreachable(exc)
-                return ticket
+                ticket._release()  # every tensor resident (some within their slack)
+                return self._answered_in_line(ticket)
+        else:
+            # The WarmRequest is built on the ticket's thread, of the spans the residency
+            # check leaves.
+            collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
         header = {"job": _job_id(job), "rank": _rank() if rank is None else rank}
         thread = threading.Thread(
             target=self._consume,
@@ -686,6 +719,15 @@ class Client:
             daemon=True,
         )
         thread.start()
+        return ticket
+
+    def _answered_in_line(self, ticket: Ticket) -> Ticket:
+        """``ticket``, every tensor of it resident: nothing to ask for, no thread. A few
+        stats, though: an operator still hears of a missing or unsafe daemon."""
+        try:
+            check_endpoint(self.socket)
+        except (EndpointUnsafe, OSError) as exc:
+            self._warn_unreachable(exc)
         return ticket
 
     def _watch(self, ticket: Ticket) -> None:

@@ -23,13 +23,14 @@ import numpy as np
 
 from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.residency import (
+    cached_throughout,
     missing_bytes,
     probably_cached,
     residency_trusted,
     sampled_resident,
 )
 
-__all__ = ["ResidencyCheck", "distinct", "note_residency"]
+__all__ = ["ResidencyCheck", "distinct", "note_residency", "resident_files"]
 
 # A tensor this close to resident is read at once: a page or two of it can be missing (the
 # page cache reclaims cold pages a few at a time), and a 64 KiB read is one request. At
@@ -60,6 +61,34 @@ def distinct(values: Any) -> Any:
 def _starts(changed: Any) -> Any:
     """``np.r_[True, changed]``, without it: index tricks cost 25 us a call, this 1."""
     return np.concatenate((_TRUE, changed))
+
+
+def resident_files(
+    files: list[str], envelopes: list[tuple[list[int], list[int]]], *, budget_s: float
+) -> int:
+    """How many of ``files``, in order, hold all of their ``envelopes`` (per file: first
+    and last bytes) as far as :class:`ResidencyCheck`'s probe looks: a resident rank's
+    check, in plain ints, with no arrays to build. Stops at the first file that does not
+    (or will not open, or whose residency this process may not see: the full check
+    samples those) and after about ``budget_s``; :class:`ResidencyCheck` goes on from
+    there (``settled``)."""
+    began = time.monotonic()
+    for position, path in enumerate(files):
+        if time.monotonic() - began > budget_s:
+            return position
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return position
+        try:
+            lo, hi = envelopes[position]
+            if not (residency_trusted(fd) and cached_throughout(fd, lo, hi)):
+                return position
+        except (OSError, ValueError):
+            return position
+        finally:
+            os.close(fd)
+    return len(files)
 
 
 def note_residency(ticket: Any, spans: Any, *, before: Callable[[], None] = lambda: None) -> Any:
@@ -97,8 +126,9 @@ class ResidencyCheck:
     resident when every page looked at is (no slack, and pages between samples unseen:
     the rank reads those itself)."""
 
-    def __init__(self, ticket: Any, spans: Any) -> None:
-        """The envelopes of ``spans``, published for the loader's own lookups."""
+    def __init__(self, ticket: Any, spans: Any, *, settled: int = 0) -> None:
+        """The envelopes of ``spans``, published for the loader's own lookups; the first
+        ``settled`` files were found resident throughout already (:func:`resident_files`)."""
         file_index = np.asarray(spans.file_index, dtype=np.int64)
         group_index = np.asarray(spans.group_index, dtype=np.int64)
         offset = np.asarray(spans.offset, dtype=np.int64)
@@ -131,7 +161,10 @@ class ResidencyCheck:
         # than a resident file's system calls.
         self._file_lo = lo[self._by_file].tolist()
         self._file_hi = hi[self._by_file].tolist()
-        self._next = 0  # the next file to look at
+        self._next = settled  # the next file to look at
+        # Envelopes of the settled files, resident: published with the first run's.
+        self._settled = self._by_file[: self._bounds[settled]]
+        self._missing[self._settled] = 0
         self._lookups = TensorEnvelopes(self._files, g, f, lo, hi, names)
         self.resident = ticket._look_up_from(self._lookups)
         """Per tensor: resident (filled in as files are looked at)."""
@@ -149,6 +182,12 @@ class ResidencyCheck:
         bounds = self._bounds.tolist()
         began = time.monotonic()
         looked: list[Any] = []
+        settled, self._settled = self._settled, self._settled[:0]
+        if settled.size:
+            looked.append(settled)
+            if budget_s is None:
+                self._publish(settled)
+                looked = []
         while not self.done:
             position = self._next
             self._next += 1

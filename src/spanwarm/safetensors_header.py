@@ -415,15 +415,19 @@ _INDEX_NAMES = _Memo(64)
 def _index_names(index_path: Path) -> tuple[str, ...]:
     """The sorted shard names of an index's weight map, validated as JSON (memoised)."""
     # O_NONBLOCK: a FIFO in the index's place must not hang the loader; refused below.
-    with open(os.open(index_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
-        st = os.fstat(f.fileno())
+    fd = os.open(index_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise IndexFormatError(index_path, "is not a regular file")
         key = (str(index_path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         known: tuple[str, ...] | None = _INDEX_NAMES.get(key)
         if known is not None:
-            return known
-        raw = f.read()
+            return known  # a hit: no file object to build
+        with open(fd, "rb", closefd=False) as f:
+            raw = f.read()
+    finally:
+        os.close(fd)
     try:
         document = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -639,11 +639,12 @@ class Client:
         self, spans: Sequence[TensorSpans], *, job: str | None = None, rank: int | None = None
     ) -> Ticket:
         """Ask the daemon to warm ``spans`` (grouped by their tensor); returns at once."""
+        spans = spans if isinstance(spans, (list, tuple)) else list(spans)  # read twice
         files: dict[str, int] = {}
         groups: dict[str, int] = {}
         nbytes: list[int] = []
-        columns: tuple[list[int], ...] = ([], [], [], [], [], [])
-        file_of, offset, length, stride, count, group_of = (c.append for c in columns)
+        file_index: list[int] = []
+        group_index: list[int] = []
         absolute: dict[str, int] = {}  # as given -> file number (a few files, many spans)
         envelopes: dict[tuple[int, int], list[int]] = {}  # (file, tensor) -> first, end
         for s in spans:
@@ -654,12 +655,8 @@ class Client:
             if g == len(nbytes):
                 nbytes.append(0)
             nbytes[g] += s.length * s.count
-            file_of(f)
-            offset(s.offset)
-            length(s.length)
-            stride(s.stride)
-            count(s.count)
-            group_of(g)
+            file_index.append(f)
+            group_index.append(g)
             end = s.offset + s.length
             if s.count > 1:
                 end += (s.count - 1) * s.stride
@@ -693,7 +690,7 @@ class Client:
                 if settled == len(files) and groups:
                     ticket._resident_throughout()
                     return self._answered_in_line(ticket)
-                collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
+                collected = _Spans.collect(list(files), file_index, group_index, spans)
                 check = ResidencyCheck(ticket, collected, settled=settled)
                 left = _INLINE_CHECK_S - (time.monotonic() - began)
                 everything = check.run(budget_s=max(left, 0.0)) and check.resident.all()
@@ -708,9 +705,7 @@ class Client:
                 ticket._release()  # every tensor resident (some within their slack)
                 return self._answered_in_line(ticket)
         else:
-            # The WarmRequest is built on the ticket's thread, of the spans the residency
-            # check leaves.
-            collected = _Spans(list(files), *(np.asarray(c, dtype=np.int64) for c in columns))
+            collected = _Spans.collect(list(files), file_index, group_index, spans)
         header = {"job": _job_id(job), "rank": _rank() if rank is None else rank}
         thread = threading.Thread(
             target=self._consume,
@@ -945,6 +940,23 @@ class _Spans:
     stride: Any
     count: Any
     group_index: Any
+
+    @classmethod
+    def collect(
+        cls, files: list[str], file_index: list[int], group_index: list[int], spans: Any
+    ) -> _Spans:
+        """Of ``request()``'s spans, numbered there by file and tensor: only once a request
+        may go out (a resident load builds none; the WarmRequest itself is built on the
+        ticket's thread, of the spans the residency check leaves)."""
+        return cls(
+            files,
+            np.asarray(file_index, dtype=np.int64),
+            np.fromiter((s.offset for s in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((s.length for s in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((s.stride for s in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((s.count for s in spans), dtype=np.int64, count=len(spans)),
+            np.asarray(group_index, dtype=np.int64),
+        )
 
     @classmethod
     def of(cls, request: Any) -> _Spans:

@@ -143,10 +143,8 @@ def _read_runs(
     converted: Converted | None,
     index: int,
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
-    """Global index runs this rank reads of checkpoint tensor ``name``, which fills ``value``
-    directly or through ``converted``: None = all of it, False = none."""
-    if not isinstance(value, _dtensor_type()):
-        return Everything
+    """Global index runs this rank reads of checkpoint tensor ``name``, which fills DTensor
+    ``value`` directly or through ``converted``: None = all of it, False = none."""
     mesh = value.device_mesh
     coordinate = coordinates(mesh)
     if coordinate is None:
@@ -309,6 +307,8 @@ def _tensor_spans(
     index: int,
 ) -> list[TensorSpans]:
     """The spans this rank reads of checkpoint tensor ``name`` (stored as ``pieces``)."""
+    if not isinstance(value, _dtensor_type()):
+        return stored_tensor_spans(name, pieces, Everything)  # a plain tensor: all of it
     shape = global_shape(pieces)
     runs = _read_runs(name, value, shape, pieces[0][1].dtype, coordinates, converted, index)
     return [] if runs is False else stored_tensor_spans(name, pieces, runs)

@@ -355,7 +355,7 @@ def read_header(path: str | os.PathLike[str], *, cache: HeaderCache | None = Non
     return (cache or _DEFAULT_CACHE).read(path)
 
 
-def _shard_path(root: Path, real_root: str, index: Path, name: str) -> str:
+def _shard_path(root: Path, index: Path, name: str) -> str:
     if "/" not in name and name not in (".", ".."):  # in the directory itself: no pathlib
         top = str(root)
         joined = name if top == "." else os.path.join(top, name)  # as str(root / name)
@@ -373,7 +373,7 @@ def _shard_path(root: Path, real_root: str, index: Path, name: str) -> str:
         raise ShardMissingError(index, f"shard {name!r} does not exist") from None
     if not stat.S_ISLNK(st.st_mode) and len(Path(name).parts) == 1:
         return str(path)  # a name in the directory itself, no link: inside, and there
-    real = os.path.realpath(path)
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
     if os.path.commonpath([real, real_root]) != real_root:
         raise ShardOutsideCheckpointError(
             index, f"shard {name!r} resolves to {real}, outside {real_root}"
@@ -451,8 +451,7 @@ def read_index(index: str | os.PathLike[str]) -> list[str]:
     """
     index_path = Path(index)
     root = index_path.parent
-    real_root = os.path.realpath(root)
-    return [_shard_path(root, real_root, index_path, name) for name in _index_names(index_path)]
+    return [_shard_path(root, index_path, name) for name in _index_names(index_path)]
 
 
 def checkpoint_files(

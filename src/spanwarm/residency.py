@@ -183,15 +183,16 @@ def probably_cached(
     is in the page cache, pages still being read included (``cachestat(2)``): all of a
     range up to 1 MiB, and of a longer one a 64 KiB window every 4 MiB from its first
     byte and one ending at its last (reclaim takes a range read front to back from its
-    front, and a read still under way has yet to reach its end). Ranges that touch (one starts where
-    another ends) are looked at as one run, and a window missing pages settles every
-    range of its run (a caller counts those exactly if it needs to know which). The cost
-    follows the ranges, not their bytes: an exact count of a rank's resident share, page
-    by page, was a tenth of its load's CPU (6144 lookups for one 24 MiB tensor, as long
-    as copying a few MiB of it). So a hole of up to 4 MiB between windows can go unseen:
-    for a reader deciding what to read itself, which then reads such a hole cold, as it
-    would have anyway; never to say bytes are warm. An empty range is cached; one past
-    the end of the file is not. None where the kernel will not say."""
+    front first, and a read still under way has yet to reach its end). Ranges that touch
+    (one starts where another ends) are looked at as one run, and a window missing pages
+    settles every range of its run (a caller counts those exactly if it needs to know
+    which). The cost follows the ranges, not their bytes: an exact count of a rank's
+    resident share, page by page, was a tenth of its load's CPU (6144 lookups for one
+    24 MiB tensor, as long as copying a few MiB of it). So a hole of up to 4 MiB between
+    windows can go unseen: for a reader deciding what to read itself, which then reads
+    such a hole cold, as it would have anyway; never to say bytes are warm. An empty
+    range is cached; one past the end of the file is not. None where the kernel will not
+    say."""
     # Plain ints: a rank's check probes a few ranges a file, where numpy's per-call cost
     # (microseconds) is more than the system calls'.
     starts, stops = _ints(lo), _ints(hi)

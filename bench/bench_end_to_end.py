@@ -28,8 +28,11 @@ mount's counter; on ``local`` the block device's read counter, which anything el
 meanwhile adds to), and peak page cache used by the checkpoint (sampled with mincore); for
 ``spanwarm`` also its warm phase (request to the last requested tensor ready, slowest
 rank). Then, with every byte already resident, paired ``none`` and ``spanwarm`` runs
-(``--warm-reps``): what spanwarm costs when there is nothing to gain. ``--json PATH``
-writes each mount and layout's median walls and paired ratios.
+(``--warm-reps``): what spanwarm costs when there is nothing to gain; ranks copy into new
+tensors they keep, or, with ``--resident-load in-place``, into memory of their own
+allocated and zeroed before the barrier (as torch DCP loads in place: no page faults on
+the destination, so the load is shortest and spanwarm's request the largest share of it).
+``--json PATH`` writes each mount and layout's median walls and paired ratios.
 """
 
 from __future__ import annotations
@@ -357,7 +360,14 @@ def run_limit(runs: list[tuple[str, int, int]], paths: list[Path], fs: Any) -> d
 
 
 def run_arm(
-    arm: str, checkpoint: Path, paths: list[Path], socket: str, fs: Any, *, cold: bool = True
+    arm: str,
+    checkpoint: Path,
+    paths: list[Path],
+    socket: str,
+    fs: Any,
+    *,
+    cold: bool = True,
+    rank_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     run = run_local_ranks(
         "e2e_rank.py",
@@ -368,7 +378,7 @@ def run_arm(
         fs,
         world=WORLD,
         local_world=LOCAL_WORLD,
-        extra=("--experts", str(EXPERTS)),
+        extra=("--experts", str(EXPERTS), *rank_args),
         cold=cold,
     )
     results = run.pop("results")
@@ -421,7 +431,7 @@ def touch_every_page(paths: list[Path]) -> None:
 
 
 def warm_cache(
-    reps: int, checkpoint: Path, paths: list[Path], socket: str, fs: Any
+    reps: int, checkpoint: Path, paths: list[Path], socket: str, fs: Any, *, in_place: bool
 ) -> dict[str, float]:
     """none and spanwarm with every byte already resident (nothing evicted, every page read
     again right before each arm): what spanwarm costs when there is nothing to gain."""
@@ -434,7 +444,8 @@ def warm_cache(
             touch_every_page(paths)
             # Alternated: whichever runs second finds what the first left (its pages
             # touched again, the daemon's threads warm), and must not always be spanwarm.
-            run = run_arm(arm, checkpoint, paths, socket, fs, cold=False)
+            rank_args = ("--in-place",) if in_place else ()
+            run = run_arm(arm, checkpoint, paths, socket, fs, cold=False, rank_args=rank_args)
             walls[arm] = run["wall_s"]
             if arm == "spanwarm":
                 requests.append(max(run["request_s"]))
@@ -541,6 +552,12 @@ def main() -> None:
         help="paired none/spanwarm runs with the checkpoint already resident (0: none)",
     )
     parser.add_argument(
+        "--resident-load",
+        choices=("new", "in-place"),
+        default="new",
+        help="in the resident pairs, ranks copy into new tensors or into their own memory",
+    )
+    parser.add_argument(
         "--daemon-args", default="", help="extra `spanwarm serve` flags, e.g. '--method read'"
     )
     args = parser.parse_args()
@@ -584,7 +601,14 @@ def main() -> None:
                             ),
                             flush=True,
                         )
-                warm = warm_cache(args.warm_reps, checkpoint, mounted_paths, daemon.socket, fs)
+                warm = warm_cache(
+                    args.warm_reps,
+                    checkpoint,
+                    mounted_paths,
+                    daemon.socket,
+                    fs,
+                    in_place=args.resident_load == "in-place",
+                )
             label = (
                 f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}` "
                 f"(seek cost {format_bytes(seek_cost)}, as the daemon probed it)"
@@ -597,7 +621,8 @@ def main() -> None:
                 lines.append(f"\n### {label}\n")
             if warm:
                 lines.append(
-                    f"Already resident (page cache warm, {args.warm_reps} paired runs): none "
+                    f"Already resident (page cache warm, {args.warm_reps} paired runs, "
+                    f"{args.resident_load} tensors): none "
                     f"{warm['none_s']:.2f} s, spanwarm {warm['spanwarm_s']:.2f} s, median "
                     f"none/spanwarm {warm['none/spanwarm']:.2f}x; fastest of each arm "
                     f"{1e3 * warm['fastest_none_s']:.1f} / "
@@ -605,7 +630,7 @@ def main() -> None:
                     f" ({warm['fastest none/spanwarm']:.2f}x); the slowest rank's request() "
                     f"{1e3 * warm['request_s']:.1f} ms (median)."
                 )
-                figures[-1]["warm_cache"] = warm
+                figures[-1]["warm_cache"] = {**warm, "load": args.resident_load}
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:

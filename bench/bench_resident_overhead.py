@@ -16,7 +16,6 @@ CPU (all threads) per arm and the paired none/spanwarm wall ratio.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import time
@@ -30,14 +29,11 @@ if str(HERE.parent) not in sys.path:  # run as a script: bench/ is on the path, 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from bench import e2e_rank  # noqa: E402
 from bench.bench_end_to_end import EXPERTS, WORLD, build_checkpoint  # noqa: E402
-from spanwarm import placements as model  # noqa: E402
 from spanwarm.client import Client  # noqa: E402
-from spanwarm.client.rank_spans import model_placements  # noqa: E402
 from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
 from spanwarm.safetensors_header import open_checkpoint  # noqa: E402
 
@@ -53,7 +49,7 @@ def load(checkpoint_dir: Path, socket: str | None, meshes: tuple[Any, Any]) -> t
         client = Client(socket)
         ticket = client.request_spans(state_dict, checkpoint_dir, job="bench", unmatched="skip")
     handles = {}
-    weights = []  # held to the end of the load, as a model holds its weights (e2e_rank.py)
+    weights: list[torch.Tensor] = []  # held to the end, as a model holds its weights
     for name, (value, placements, mesh) in state.items():
         if ticket is not None:
             ticket.wait_for_read(name)
@@ -61,16 +57,8 @@ def load(checkpoint_dir: Path, socket: str | None, meshes: tuple[Any, Any]) -> t
         if header.path not in handles:
             handles[header.path] = safe_open(header.path, framework="pt")
         view = handles[header.path].get_slice(name)  # type: ignore[no-untyped-call]
-        if isinstance(value, DTensor):
-            layout = model_placements(placements)
-            coordinate = mesh.get_coordinate()
-            assert layout is not None
-            assert coordinate is not None
-            runs = model.local_index_runs(info.shape, mesh.shape, coordinate, layout)
-        else:
-            runs = tuple(((0, size),) for size in info.shape)
-        for box in itertools.product(*runs):
-            weights.append(view[tuple(slice(a, b) for a, b in box)].clone())
+        boxes = e2e_rank.local_boxes(value, placements, mesh, info.shape)
+        weights.extend(view[box].clone() for box in boxes)
         if ticket is not None:
             ticket.consumed([name])
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu

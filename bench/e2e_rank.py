@@ -13,6 +13,10 @@ its own slices through safetensors, tensor by tensor:
 - ``spanwarm``: request the rank's spans from the daemon, wait per tensor, load;
 - ``spans``: print the spans ``spanwarm`` would request, as JSON, and exit (no load).
 
+Each slice is copied into new tensors the rank keeps to the end, as a model's load keeps
+its weights; with ``--in-place``, into the model's own memory instead, allocated and
+zeroed before the barrier (torch DCP loads a state dict in place so).
+
 Prints one JSON line: start time (monotonic clock, comparable across processes),
 time to the first tensor, time to the last, bytes of slices loaded, and under
 ``spanwarm`` the warm phase (start to the last requested tensor ready).
@@ -48,6 +52,7 @@ from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 TP = 4
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head")
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def build_state_dict(
@@ -83,6 +88,34 @@ def build_state_dict(
             mesh,
         )
     return state
+
+
+def local_boxes(
+    value: Any, placements: list[Placement], mesh: DeviceMesh, shape: Any
+) -> list[tuple[slice, ...]]:
+    """The index boxes (a slice per dim) of checkpoint tensor ``shape`` this rank loads."""
+    if isinstance(value, DTensor):
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        layout = model_placements(placements)
+        assert layout is not None
+        runs = model.local_index_runs(shape, mesh.shape, coordinate, layout)
+    else:
+        runs = tuple(((0, size),) for size in shape)
+    return [tuple(slice(a, b) for a, b in box) for box in itertools.product(*runs)]
+
+
+def model_memory(checkpoint: Checkpoint, state: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
+    """Per tensor, zeroed memory for each of its boxes: a model's own weights, allocated
+    and written (initialised) before its load copies the checkpoint into them."""
+    memory = {}
+    for name, (value, placements, mesh) in state.items():
+        info = checkpoint.pieces[name][0][1]
+        memory[name] = [
+            torch.zeros([s.stop - s.start for s in box], dtype=DTYPES[info.dtype])
+            for box in local_boxes(value, placements, mesh, info.shape)
+        ]
+    return memory
 
 
 def rank_meshes(world: int) -> tuple[DeviceMesh, DeviceMesh]:
@@ -121,6 +154,12 @@ def rank_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--barrier", type=Path, required=True)
     parser.add_argument("--socket")
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="copy into the model's own memory, allocated and zeroed before the barrier "
+        "(as torch DCP loads a state dict in place), not into new tensors",
+    )
     return parser
 
 
@@ -140,6 +179,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
 
+    memory = model_memory(checkpoint, state) if args.in_place else None
     start = start_together(args.barrier, args.local_rank, args.local_world)
     cpu_start = time.process_time()  # the rank's CPU (all threads) from here to the end
 
@@ -186,20 +226,16 @@ def main() -> None:
         if header.path not in handles:
             handles[header.path] = safe_open(header.path, framework="pt")
         view = handles[header.path].get_slice(name)  # type: ignore[no-untyped-call]
-        if isinstance(value, DTensor):
-            coordinate = mesh.get_coordinate()
-            assert coordinate is not None
-            layout = model_placements(placements)
-            assert layout is not None
-            runs = model.local_index_runs(info.shape, mesh.shape, coordinate, layout)
-        else:
-            runs = tuple(((0, size),) for size in info.shape)
-        for box in itertools.product(*runs):
-            # clone(): a contiguous slice can be a view of the mapping; copying reads it.
-            # Kept, as a model's load keeps its weights: each lands in fresh memory. A
-            # clone dropped at once let glibc hand the next one the same pages or not, at
-            # random per process, which made every arm's resident loads 1x or 2x long.
-            weights.append(view[tuple(slice(a, b) for a, b in box)].clone())
+        for i, box in enumerate(local_boxes(value, placements, mesh, info.shape)):
+            # A slice can be a view of the mapping: copying it reads it.
+            if memory is not None:
+                loaded += memory[name][i].copy_(view[box]).nbytes
+                continue
+            # New tensors, kept, as a model's load keeps its weights: each lands in fresh
+            # memory. A clone dropped at once let glibc hand the next one the same pages
+            # or not, at random per process, which made every arm's resident loads 1x or
+            # 2x long.
+            weights.append(view[box].clone())
             loaded += weights[-1].nbytes
         tensors.append(
             (name, outcome, loaded - before, reading - waiting, time.monotonic() - reading)

@@ -154,18 +154,18 @@ def rank_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--barrier", type=Path, required=True)
     parser.add_argument("--socket")
-    parser.add_argument(
-        "--in-place",
-        action="store_true",
-        help="copy into the model's own memory, allocated and zeroed before the barrier "
-        "(as torch DCP loads a state dict in place), not into new tensors",
-    )
     return parser
 
 
 def main() -> None:
     parser = rank_arguments()
     parser.add_argument("--experts", type=int, required=True)
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="copy into the model's own memory, allocated and zeroed before the barrier "
+        "(as torch DCP loads a state dict in place), not into new tensors",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)

@@ -355,6 +355,20 @@ def read_header(path: str | os.PathLike[str], *, cache: HeaderCache | None = Non
     return (cache or _DEFAULT_CACHE).read(path)
 
 
+def _inside(path: str, directory: str | None) -> bool:
+    return directory is not None and os.path.commonpath([path, directory]) == directory
+
+
+def _hub_blobs(real_root: str) -> str | None:
+    """Where a Hugging Face hub cache keeps the files of snapshot ``real_root``
+    (``<repo>/snapshots/<revision>``, whose entries are links to ``../../blobs/<hash>``):
+    a shard may resolve there too. None for any other directory."""
+    snapshots = os.path.dirname(real_root)
+    if os.path.basename(snapshots) != "snapshots":
+        return None
+    return os.path.join(os.path.dirname(snapshots), "blobs")
+
+
 def _shard_path(root: Path, index: Path, name: str) -> str:
     if "/" not in name and name not in (".", ".."):  # in the directory itself: no pathlib
         top = str(root)
@@ -374,7 +388,7 @@ def _shard_path(root: Path, index: Path, name: str) -> str:
     if not stat.S_ISLNK(st.st_mode) and len(Path(name).parts) == 1:
         return str(path)  # a name in the directory itself, no link: inside, and there
     real, real_root = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, real_root]) != real_root:
+    if not _inside(real, real_root) and not _inside(real, _hub_blobs(real_root)):
         raise ShardOutsideCheckpointError(
             index, f"shard {name!r} resolves to {real}, outside {real_root}"
         )
@@ -447,7 +461,8 @@ def read_index(index: str | os.PathLike[str]) -> list[str]:
     """Shard paths named by a ``model.safetensors.index.json``, sorted and validated.
 
     Every shard must exist and stay inside the index's directory after resolving
-    symlinks; names are never trusted as paths.
+    symlinks (or, for a Hugging Face hub snapshot, inside its repo's ``blobs``); names
+    are never trusted as paths.
     """
     index_path = Path(index)
     root = index_path.parent

@@ -340,6 +340,35 @@ def test_symlink_inside_the_checkpoint_is_fine(tmp_path: Path) -> None:
     assert checkpoint_files(tmp_path) == [str(tmp_path / "alias.safetensors")]
 
 
+def test_a_hugging_face_hub_snapshot_reads_its_shards_from_the_blobs(tmp_path: Path) -> None:
+    """The hub cache's layout: ``<repo>/snapshots/<rev>/<name>`` links to
+    ``../../blobs/<hash>``. Its shards resolve outside the snapshot, into the repo's
+    blobs, and are read so; a link from a snapshot to anywhere else is still refused, and
+    so is one into ``blobs`` from a directory that is not a snapshot."""
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name, blob in (("a.safetensors", "1111"), ("b.safetensors", "2222")):
+        _shard(repo / "blobs" / blob)
+        (snapshot / name).symlink_to(Path("../../blobs") / blob)
+    index = _index(snapshot, {"x": "a.safetensors", "y": "b.safetensors"})
+    assert checkpoint_files(snapshot) == [
+        str(snapshot / "a.safetensors"),
+        str(snapshot / "b.safetensors"),
+    ]
+    (snapshot / "b.safetensors").unlink()
+    (snapshot / "b.safetensors").symlink_to(_shard(tmp_path / "elsewhere.safetensors"))
+    with pytest.raises(errors.ShardOutsideCheckpointError, match="resolves to"):
+        read_index(index)
+    other = repo / "not-a-snapshot"
+    other.mkdir()
+    (other / "a.safetensors").symlink_to(Path("../blobs") / "1111")
+    _index(other, {"x": "a.safetensors"})
+    with pytest.raises(errors.ShardOutsideCheckpointError, match="resolves to"):
+        checkpoint_files(other)
+
+
 def test_index_not_json(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text("{")
     with pytest.raises(errors.IndexFormatError, match="not a JSON document"):

@@ -33,6 +33,7 @@ __all__ = [
     "evict",
     "file_residency",
     "missing_bytes",
+    "open_trusted",
     "probably_cached",
     "residency_trusted",
     "resident_bytes",
@@ -383,6 +384,22 @@ def residency_trusted(path_or_fd: int | str | os.PathLike[str]) -> bool:
         st_uid = os.stat(path_or_fd).st_uid
         path = path_or_fd
     return st_uid == euid or os.access(path, os.W_OK, effective_ids=True)
+
+
+def open_trusted(path: str) -> int:
+    """A descriptor of ``path`` (read-only, non-blocking) whose residency this process may
+    see (:func:`residency_trusted`), or -1: it will not open, or the kernel would lie."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return -1
+    try:
+        if residency_trusted(fd):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return -1
 
 
 def file_residency(path: str | os.PathLike[str]) -> tuple[int, int]:

@@ -686,11 +686,12 @@ class Client:
                 for (f, _), (first, end) in envelopes.items():
                     per_file[f][0].append(first)
                     per_file[f][1].append(end)
-                settled = resident_files(list(files), per_file, budget_s=_INLINE_CHECK_S)
-                if settled == len(files) and groups:
+                paths = list(files)
+                settled = resident_files(paths, per_file, budget_s=_INLINE_CHECK_S)
+                if settled == len(paths) and groups:
                     ticket._resident_throughout()
                     return self._answered_in_line(ticket)
-                collected = _Spans.collect(list(files), file_index, group_index, spans)
+                collected = _Spans.collect(paths, file_index, group_index, spans)
                 check = ResidencyCheck(ticket, collected, settled=settled)
                 left = _INLINE_CHECK_S - (time.monotonic() - began)
                 everything = check.run(budget_s=max(left, 0.0)) and check.resident.all()

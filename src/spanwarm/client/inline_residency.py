@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from spanwarm.residency import probably_cached, residency_trusted
+from spanwarm.residency import open_trusted, probably_cached
 
 __all__ = ["TensorEnvelopes"]
 
@@ -65,20 +65,8 @@ class TensorEnvelopes:
 
     def _open(self, position: int) -> int:
         fd = self._fds.get(position)
-        if fd is not None:
-            return fd
-        try:
-            fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            fd = -1
-        try:
-            if fd >= 0 and not residency_trusted(fd):
-                os.close(fd)
-                fd = -1
-        except OSError:
-            os.close(fd)
-            fd = -1
-        self._fds[position] = fd
+        if fd is None:
+            fd = self._fds[position] = open_trusted(self._files[position])
         return fd
 
     def close(self) -> None:

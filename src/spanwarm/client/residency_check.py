@@ -25,6 +25,7 @@ from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.residency import (
     cached_throughout,
     missing_bytes,
+    open_trusted,
     probably_cached,
     residency_trusted,
     sampled_resident,
@@ -76,13 +77,12 @@ def resident_files(
     for position, path in enumerate(files):
         if time.monotonic() - began > budget_s:
             return position
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
+        fd = open_trusted(path)
+        if fd < 0:
             return position
         try:
             lo, hi = envelopes[position]
-            if not (residency_trusted(fd) and cached_throughout(fd, lo, hi)):
+            if not cached_throughout(fd, lo, hi):
                 return position
         except (OSError, ValueError):
             return position

@@ -395,15 +395,20 @@ def run_arm(
 
 
 def probed_seek_cost(socket: str, path: Path, daemon_args: list[str]) -> int:
-    """After the node's first load on ``path``'s mount: wait for the daemon's probe there,
-    and return the seek cost it plans with now (``--seek-cost``'s, when given)."""
+    """After the node's first load on ``path``'s mount: wait for the daemon's probe there
+    (a first one, or one again where the figure kept is disturbed or old), and return the
+    seek cost it plans with now (``--seek-cost``'s, when given)."""
     if "--seek-cost" in daemon_args:
         return parse_size(daemon_args[daemon_args.index("--seek-cost") + 1])
     mount = mount_name(os.stat(path).st_dev)
     client = Client(socket)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        known = {m["mount"]: m["seek_cost_bytes"] for m in client.status()["mounts"]}
+        known = {
+            m["mount"]: m["seek_cost_bytes"]
+            for m in client.status()["mounts"]
+            if not m.get("seek_probe_due")
+        }
         if known.get(mount):
             client.close()
             return int(known[mount])

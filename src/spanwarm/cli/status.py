@@ -92,11 +92,12 @@ def render(status: dict[str, Any]) -> Group:
     )
     for m in status.get("mounts", []):
         rate, seek_cost = m["stream_bytes_per_s"], m.get("seek_cost_bytes", 0)
+        again = " (probed again when idle)" if seek_cost and m.get("seek_probe_due") else ""
         mounts.add_row(
             m["mount"],
             _rate(rate) if rate else "not known yet",
             format_bytes(m["sampled_bytes"]),
-            format_bytes(seek_cost) if seek_cost else "not yet",
+            format_bytes(seek_cost) + again if seek_cost else "not yet",
         )
     parts: list[Any] = [summary]
     if status["ranks"]:

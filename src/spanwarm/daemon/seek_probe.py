@@ -30,6 +30,19 @@ nobody when it was stuck before touching any). Places are checked cold again jus
 before each read, so pages warmed meanwhile are not timed as storage; a figure is
 re-measured after ``MAX_AGE_S``, and deleting the mount's entry from ``devices.json``
 (daemon stopped) or ``--seek-cost`` replaces it.
+
+No live request does not mean an idle device: a job loading without spanwarm, or writing
+its checkpoint, may read the mount meanwhile, and a probe it slows down prices every
+later load there (one such probe on this machine's disk measured 88 MB/s for a stream
+that gets 800, and for a week ranks waited several times longer than reading the tensor
+themselves took). So a probe is **disturbed**, and not kept, when the block device
+read more than the probe itself did meanwhile (``/sys/dev/block/MAJ:MIN/stat``; network
+and FUSE mounts have none), or when its lone stream came out slower than one of the
+daemon's own streams sharing the mount with seven others. The mount is probed again at
+its next idle moment, up to ``MAX_DISTURBED`` times a run; then the least disturbed
+figure (the fastest lone stream) is kept. A kept figure that is below the daemon's own
+streams (an older daemon's, or one whose mount has since got faster) is probed again,
+within the same bound.
 """
 
 from __future__ import annotations
@@ -70,6 +83,14 @@ MAX_STUCK_PER_UID = 2  # probes of a user's files lost in hung storage: no more 
 MAX_FAILED_PER_UID = 16  # a user's files that gave no figure: no more for it
 MAX_WAITING_PER_UID = 8  # files of one user's requests waiting: others' get room too
 MAX_TRIED = 4096  # files remembered as having given no figure
+MAX_DISTURBED = 4  # disturbed probes of one mount in a run before the best is kept
+# After the n-th disturbed probe the mount waits this many seconds x 2^(n-1) (whatever else
+# reads the storage may go on for a while: a load without spanwarm, a checkpoint save).
+DISTURBED_BACKOFF_S = 30.0
+# Bytes the device may read beyond the probe's own while it runs (file system metadata,
+# an idle system's trickle) before the probe counts as disturbed: this, or a quarter of
+# what the probe read, whichever is more.
+FOREIGN_SLACK_BYTES = 4 << 20
 
 
 @dataclass
@@ -85,7 +106,7 @@ class _Probe:
     """One mount's files, measured together on the probe's thread."""
 
     files: list[_Candidate]
-    future: Future[SeekCost] = field(init=False)
+    future: Future[_Measured] = field(init=False)
     started: float = field(default_factory=time.monotonic)
     # (file index, start, stop), appended by the thread before each read: what to drop
     # afterwards.
@@ -93,6 +114,24 @@ class _Probe:
     # The file the thread is looking at, opening, reading or closing (set before each):
     # the one a stuck call is in. None before it touched any.
     touching: int | None = None
+
+
+@dataclass(frozen=True)
+class _Measured:
+    cost: SeekCost
+    own_bytes: int  # what the probe read
+    foreign_bytes: int | None  # what else the block device read meanwhile (None: no counter)
+
+
+def device_read_bytes(device: int) -> int | None:
+    """Bytes the block device ``device`` (an ``st_dev``) has read since boot, from its
+    sysfs counter; None for a device with none (NFS, FUSE, overlay, btrfs subvolumes)."""
+    try:
+        with open(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat", "rb") as f:
+            fields = f.read(4096).split()
+        return int(fields[2]) * 512  # sectors read, in 512-byte units whatever the device's
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _key(item: OpenFile | _Candidate) -> tuple[int, int]:
@@ -123,12 +162,22 @@ class SeekProber:
         self._failed: collections.Counter[int] = collections.Counter()  # per uid
         self._idle_ticks = 0
         self._lost = 0  # threads given up with their probe
+        self._disturbed: collections.Counter[str] = collections.Counter()  # per mount
+        self._not_before: dict[str, float] = {}  # per mount: no probe before (monotonic)
+        # Per mount: the fastest of this run's disturbed probes (device, figure, files).
+        self._least_disturbed: dict[str, tuple[int, SeekCost, str]] = {}
         self._pool = DaemonThreadPool(1, "spanwarm-probe", nice=10)
 
-    def _wants(self, device: int) -> bool:
-        """Whether the mount of ``device`` has no figure yet, or an old one."""
-        age = self._learned.seek_cost_age(device)
-        return age is None or age > MAX_AGE_S
+    def due(self, mount: str) -> bool:
+        """Whether ``mount`` is to be probed at the next idle moment a request of it
+        leaves: it has no figure yet, an old one, or a disturbed one (not past
+        ``MAX_DISTURBED`` probes this run); False once its probe was given up."""
+        if mount in self._done:
+            return False
+        age = self._learned.seek_cost_age(mount)
+        if age is None or age > MAX_AGE_S:
+            return True
+        return self._disturbed[mount] < MAX_DISTURBED and self._learned.probe_disturbed(mount)
 
     def offer(self, file: OpenFile, uid: int) -> None:
         """A request of ``uid`` names ``file``: kept to probe its mount on, if the mount
@@ -141,7 +190,7 @@ class SeekProber:
         if _key(file) in self._tried:
             return
         mount = self._learned.name(file.identity.device)
-        if mount in self._done or not self._wants(file.identity.device):
+        if not self.due(mount):
             return
         running = [] if self._running is None else self._running.files
         held = [*self._waiting, *running]  # a probe's files come back if a request stops it
@@ -190,9 +239,10 @@ class SeekProber:
                 self._give_up(running)
             return
         self._idle_ticks = self._idle_ticks + 1 if idle else 0
-        if self._idle_ticks < IDLE_TICKS or not self._waiting:
+        due = [c for c in self._waiting if self._not_before.get(c.mount, 0.0) <= now]
+        if self._idle_ticks < IDLE_TICKS or not due:
             return
-        mount = self._waiting[0].mount
+        mount = due[0].mount
         files = [c for c in self._waiting if c.mount == mount][:MAX_PER_MOUNT]
         for candidate in files:
             self._waiting.remove(candidate)
@@ -219,9 +269,15 @@ class SeekProber:
                 streams.callback(touch, index)  # closed next, on the way out
             files = list(zip(fds, (c.file.size for c in probe.files), strict=True))
             plan = plan_seek_measurement(files, busy=busy, touch=touch)
-            return measure_seek_cost(
+            device = probe.files[0].file.identity.device
+            before = device_read_bytes(device)
+            cost = measure_seek_cost(
                 fds, plan, busy=busy, chunk_bytes=self._chunk, read=probe.read, touch=touch
             )
+            after = device_read_bytes(device)
+            own = sum(stop - start for _, start, stop in probe.read)
+            foreign = None if before is None or after is None else after - before - own
+            return _Measured(cost, own, foreign)
 
     def _give_up(self, running: _Probe) -> None:
         """A probe stuck in the storage: its thread is lost, its mount not probed again
@@ -255,7 +311,7 @@ class SeekProber:
         files, mount = running.files, running.files[0].mount
         again: list[_Candidate] = []  # back to waiting for the next idle moment
         try:
-            result = running.future.result()
+            measured = running.future.result()
         except MeasureStopped as exc:
             if exc.retry:  # a request came: the mount waits for the next idle moment
                 again = files
@@ -284,7 +340,7 @@ class SeekProber:
             for candidate in files:
                 self._try_elsewhere(candidate)
         else:
-            self._learn(running, result)
+            again = self._learn_undisturbed(running, measured)
         for index, start, stop in running.read:
             file = files[index].file
             if not wanted(file.identity):  # what the probe read, nobody asked for
@@ -296,24 +352,71 @@ class SeekProber:
         self._waiting.sort(key=lambda c: -c.file.size)
         self._close_all([c for c in files if not any(c is a for a in again)])
 
-    def _learn(self, running: _Probe, result: SeekCost) -> None:
-        first = running.files[0]
-        if mount_name(first.file.identity.device) != first.mount:  # its device number reused
-            logger.warning("%s is no longer mounted: its seek cost is not kept", first.mount)
-            return
-        self._learned.learn_seek_cost(
-            first.file.identity.device, result.seek_cost, result.window_bytes_per_s
+    def _learn_undisturbed(self, running: _Probe, measured: _Measured) -> list[_Candidate]:
+        """Keep the probe's figure, unless something else read the storage while it ran:
+        then its files wait for the mount's next idle moment (returned), up to
+        ``MAX_DISTURBED`` times; the last time, the least disturbed figure of the run is
+        kept."""
+        mount, result = running.files[0].mount, measured.cost
+        reason = self._disturbance(mount, measured)
+        paths = ", ".join(dict.fromkeys(running.files[i].file.path for i, _, _ in running.read))
+        this = (running.files[0].file.identity.device, result, paths)
+        if reason is None:
+            self._least_disturbed.pop(mount, None)
+            self._learn(mount, *this)
+            return []
+        self._disturbed[mount] += 1
+        best = self._least_disturbed.get(mount)
+        if best is None or result.window_bytes_per_s > best[1].window_bytes_per_s:
+            best = self._least_disturbed[mount] = this
+        if self._disturbed[mount] < MAX_DISTURBED:
+            wait = DISTURBED_BACKOFF_S * 2 ** (self._disturbed[mount] - 1)
+            self._not_before[mount] = time.monotonic() + wait
+            logger.info(
+                "seek cost probe of %s disturbed (%s): probed again when the node is idle, "
+                "in %.0f s or later",
+                mount,
+                reason,
+                wait,
+            )
+            return running.files
+        logger.warning(
+            "seek cost probes of %s disturbed %d times (last: %s): keeping the fastest",
+            mount,
+            MAX_DISTURBED,
+            reason,
         )
+        del self._least_disturbed[mount]
+        self._learn(mount, *best)
+        return []
+
+    def _disturbance(self, mount: str, measured: _Measured) -> str | None:
+        """Why the probe cannot be believed, or None."""
+        foreign = measured.foreign_bytes
+        if foreign is not None and foreign > max(FOREIGN_SLACK_BYTES, measured.own_bytes // 4):
+            return f"the device read {foreign / 2**20:.1f} MiB besides the probe's"
+        lone, daemon = measured.cost.window_bytes_per_s, self._learned.learned_bytes_per_s(mount)
+        if lone < daemon:
+            return (
+                f"one lone stream {lone / 2**20:.1f} MiB/s, below one of the daemon's "
+                f"{daemon / 2**20:.1f} MiB/s"
+            )
+        return None
+
+    def _learn(self, mount: str, device: int, result: SeekCost, paths: str) -> None:
+        if mount_name(device) != mount:  # its device number reused
+            logger.warning("%s is no longer mounted: its seek cost is not kept", mount)
+            return
+        self._learned.learn_seek_cost(device, result.seek_cost, result.window_bytes_per_s)
         for other in list(self._waiting):  # the mount's other files: not needed now
-            if other.mount == first.mount:
+            if other.mount == mount:
                 self._drop(other)
-        paths = dict.fromkeys(running.files[index].file.path for index, _, _ in running.read)
         logger.info(
             "seek cost of %s: %d bytes (probed on %s: %.2f ms per seek over %d seeks, "
             "one stream %.1f MiB/s, %.3f MiB/s over the long window)",
-            first.mount,
+            mount,
             result.seek_cost,
-            ", ".join(paths),
+            paths,
             result.seek_s * 1e3,
             result.seeks,
             result.stream_bytes_per_s / 2**20,

@@ -416,6 +416,7 @@ class WarmerService:
             uid, everything = None, self.owner_only()
         status = self.node.status(None if everything else lambda r: r.uid == uid)
         learned = self.node.throughput.snapshot() if everything else []
+        prober = self.node.prober
         return _message(
             warmer_pb2.StatusReply,
             {
@@ -432,6 +433,7 @@ class WarmerService:
                             "stream_bytes_per_s": rate,
                             "sampled_bytes": sampled,
                             "seek_cost_bytes": seek_cost,
+                            "seek_probe_due": prober is not None and prober.due(name),
                         },
                     )
                     for name, rate, sampled, seek_cost in learned

@@ -103,10 +103,20 @@ class _Mount:
     seek_probed_at: float = 0.0  # when, in seconds since the epoch
     lone_bytes_per_s: float = 0.0  # one stream on an idle node, from the probe (0: unknown)
 
-    def bytes_per_s(self, use_lone: bool = True) -> float:
-        learned = 0.0
+    def learned_bytes_per_s(self) -> float:
+        """The daemon's own figure: one of its streams while its workers read side by side
+        (0.0 until enough is read)."""
         if self.total_bytes >= _MIN_BYTES and self.weighted_seconds > 0:
-            learned = self.weighted_bytes / self.weighted_seconds
+            return self.weighted_bytes / self.weighted_seconds
+        return 0.0
+
+    def probe_disturbed(self) -> bool:
+        """The probe's lone stream was slower than one of the daemon's streams sharing the
+        mount: something else read the storage while it ran (:mod:`.seek_probe` probes again)."""
+        return bool(self.seek_cost) and self.lone_bytes_per_s < self.learned_bytes_per_s()
+
+    def bytes_per_s(self, use_lone: bool = True) -> float:
+        learned = self.learned_bytes_per_s()
         rate = learned
         if self.seek_cost and use_lone:  # one figure from one probe, or neither
             lone = self.lone_bytes_per_s * RANK_READ_BYTES / (RANK_READ_BYTES + self.seek_cost)
@@ -170,14 +180,27 @@ class StreamThroughput:
             m = self._mounts.get(name)
             return 0 if m is None else m.seek_cost
 
-    def seek_cost_age(self, device: int) -> float | None:
-        """Seconds since ``device``'s mount was probed (None: never)."""
-        name = self.name(device)
+    def seek_cost_age(self, mount: str) -> float | None:
+        """Seconds since ``mount`` was probed (None: never)."""
         with self._lock:
-            m = self._mounts.get(name)
+            m = self._mounts.get(mount)
             if m is None or not m.seek_cost:
                 return None
             return max(0.0, time.time() - m.seek_probed_at)
+
+    def learned_bytes_per_s(self, mount: str) -> float:
+        """The daemon's own one-stream figure on ``mount``, without the probe's (0.0: not
+        known yet)."""
+        with self._lock:
+            m = self._mounts.get(mount)
+            return 0.0 if m is None else m.learned_bytes_per_s()
+
+    def probe_disturbed(self, mount: str) -> bool:
+        """Whether the figure kept for ``mount`` came from a probe that something else's
+        reads slowed down: its lone stream is below one of the daemon's own streams."""
+        with self._lock:
+            m = self._mounts.get(mount)
+            return m is not None and m.probe_disturbed()
 
     def learn_seek_cost(self, device: int, seek_cost: int, lone_bytes_per_s: float) -> None:
         """A probe measured ``seek_cost`` bytes and one lone stream's rate on ``device``'s

@@ -199,16 +199,18 @@ class StatusReply(_message.Message):
     def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., waiting_for_budget: _Optional[int] = ..., waiting_reason: _Optional[str] = ..., mounts: _Optional[_Iterable[_Union[MountStatus, _Mapping]]] = ...) -> None: ...
 
 class MountStatus(_message.Message):
-    __slots__ = ("mount", "stream_bytes_per_s", "sampled_bytes", "seek_cost_bytes")
+    __slots__ = ("mount", "stream_bytes_per_s", "sampled_bytes", "seek_cost_bytes", "seek_probe_due")
     MOUNT_FIELD_NUMBER: _ClassVar[int]
     STREAM_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEEK_COST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEEK_PROBE_DUE_FIELD_NUMBER: _ClassVar[int]
     mount: str
     stream_bytes_per_s: float
     sampled_bytes: int
     seek_cost_bytes: int
-    def __init__(self, mount: _Optional[str] = ..., stream_bytes_per_s: _Optional[float] = ..., sampled_bytes: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ...) -> None: ...
+    seek_probe_due: bool
+    def __init__(self, mount: _Optional[str] = ..., stream_bytes_per_s: _Optional[float] = ..., sampled_bytes: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., seek_probe_due: _Optional[bool] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
     __slots__ = ("descriptors", "last")

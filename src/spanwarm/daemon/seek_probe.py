@@ -250,7 +250,7 @@ class SeekProber:
         probe.future = self._pool.submit(self._probe, probe, busy)
         self._running = probe
 
-    def _probe(self, probe: _Probe, busy: Callable[[], bool]) -> SeekCost:
+    def _probe(self, probe: _Probe, busy: Callable[[], bool]) -> _Measured:
         """In the probe's thread: find the places (one mincore pass per file and a bounded
         number of SEEK_HOLE calls), then measure, through one fresh descriptor per file.
         Touches nothing of the prober but ``probe.read`` and ``probe.touching``."""

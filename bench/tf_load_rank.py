@@ -13,7 +13,8 @@ a file barrier, then loads with ``DistributedConfig(fsdp_size=W, ep_size=4)``:
 - ``spanwarm``: with ``spanwarm.integrations.transformers`` enabled.
 
 Prints one JSON line: start (monotonic clock, comparable across processes), seconds to
-load, seconds the loader waited for readiness, bytes requested.
+load, the rank's CPU seconds meanwhile, seconds the loader waited for readiness, tensors
+it read itself before they were warm, bytes requested.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     )
 
     start = start_together(args.barrier, args.local_rank, args.local_world)
+    cpu_start = time.process_time()  # the rank's CPU (all threads) from here to the end
     if args.arm == "whole":
         shards = sorted(args.checkpoint.glob("*.safetensors"))
         read_whole(shards[args.local_rank :: args.local_world])
@@ -63,13 +65,16 @@ def main() -> None:
         dtype=torch.bfloat16,
     )
     total = time.monotonic() - start
+    cpu = time.process_time() - cpu_start
     load = session.loads[-1] if session is not None else None
     print(
         json.dumps(
             {
                 "start": start,
                 "total_s": total,
+                "cpu_s": cpu,
                 "waited_s": load.waited_s if load else 0.0,
+                "read_yourself": load.read_yourself if load else 0,
                 "requested_bytes": load.requested_bytes if load else 0,
             }
         )

@@ -21,6 +21,7 @@ data the slicing above does not model, so its sources are read whole.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -124,9 +125,12 @@ class Conversion:
         return Converted(target, self.sources[int(branch[1:])], self.ops)
 
 
-def natural_key(name: str) -> list[tuple[int, int] | tuple[int, str] | tuple[int, str, int]]:
+@functools.lru_cache(maxsize=1 << 16)
+def natural_key(name: str) -> tuple[tuple[int, int] | tuple[int, str] | tuple[int, str, int], ...]:
     """transformers' ``dot_natural_key``: the order it reads checkpoint keys in, and so the
-    order pieces are collected (``experts.2`` before ``experts.10``)."""
+    order pieces are collected (``experts.2`` before ``experts.10``). Memoised: a load
+    sorts its checkpoint's keys twice (the transformers integration, then
+    :func:`~spanwarm.rank_spans`), a few microseconds a key each time."""
     parts: list[tuple[int, int] | tuple[int, str] | tuple[int, str, int]] = []
     for part in name.split("."):
         if part.isdigit():
@@ -135,7 +139,7 @@ def natural_key(name: str) -> list[tuple[int, int] | tuple[int, str] | tuple[int
         text = part.rstrip("0123456789")
         digits = part[len(text) :]
         parts.append((1, text, int(digits)) if digits else (1, text))
-    return parts
+    return tuple(parts)
 
 
 def read_runs(
@@ -150,7 +154,27 @@ def read_runs(
 
     ``index`` is the source's position in its pattern's list. Returns None for the whole
     source (the slicing cannot be applied to it) and False when nothing is read.
+    Memoised: every layer's experts ask the same questions.
     """
+    return _read_runs(
+        tuple(source_shape),
+        tuple(target_shape),
+        tuple(mesh_shape),
+        tuple(coordinate),
+        tuple(placements),
+        index,
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _read_runs(
+    source_shape: tuple[int, ...],
+    target_shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    index: int | None,
+) -> tuple[IndexRuns, ...] | Literal[False] | None:
     ndim = len(target_shape)
     dims = [
         (mesh_dim, p.dim + ndim if p.dim < 0 else p.dim)

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -333,6 +334,52 @@ def test_a_wait_shorter_than_a_thread_switch_is_not_begun(tmp_path: Path) -> Non
         assert list(ticket._waits) == []
         assert ticket.wait_for_read("big", timeout=60) == "read"
         assert list(ticket._waits) == [False]  # that one was waited for, and ended read
+        ticket.cancel()
+        client.close()
+
+
+def _requested_after_eight_mib(daemon_socket: str, path: Path) -> tuple[Client, Any]:
+    """A request of 8 tensors of 1 MiB, then 4 of 16 MiB, of ``path``, once the daemon
+    has brought the first 8 MiB: how fast it brings this request's tensors is known."""
+    client = Client(daemon_socket)
+    small = [span(f"s{i}", path, i * MiB, MiB) for i in range(8)]
+    big = [span(f"b{i}", path, 8 * MiB + i * 16 * MiB, 16 * MiB) for i in range(4)]
+    ticket = client.request(small + big)
+    assert ticket.wait([s.tensor for s in small], timeout=60)
+    return client, ticket
+
+
+def test_a_rank_does_not_wait_for_a_daemon_slower_than_its_own_reads(tmp_path: Path) -> None:
+    """The daemon knows the disk at 64 MB/s a stream: reading a 16 MiB tensor here takes a
+    quarter of a second. Throttled to 16 MiB/s, it has brought this request's first 8 MiB
+    at that pace, so it would need a second for the last tensor: the rank reads it at
+    once, with no bounded wait begun, and it is not reported ready."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 72 * MiB, seed=14)
+    state = learned_state(tmp_path / "state", path, 64e6)
+    with running_daemon(*FLAGS, "--throttle", "16MiB", "--state-dir", str(state)) as daemon:
+        client, ticket = _requested_after_eight_mib(daemon.socket, path)
+        start = time.monotonic()
+        assert ticket.wait_for_read("b3", timeout=60) == "read"
+        assert time.monotonic() - start < 0.15  # not the 0.26 s bound
+        assert list(ticket._waits) == []
+        assert not ticket.ready("b3")
+        ticket.cancel()
+        client.close()
+
+
+def test_a_rank_waits_for_a_daemon_faster_than_its_own_reads(tmp_path: Path) -> None:
+    """The same request on a disk the daemon knows at 4 MB/s a stream (4 s to read a
+    16 MiB tensor here), throttled to 64 MiB/s: at the pace it has brought the first
+    8 MiB, the last tensor comes well within the rank's own read, so the rank waits for
+    it, and it arrives warm."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 72 * MiB, seed=15)
+    state = learned_state(tmp_path / "state", path, 4e6)
+    with running_daemon(*FLAGS, "--throttle", "64MiB", "--state-dir", str(state)) as daemon:
+        client, ticket = _requested_after_eight_mib(daemon.socket, path)
+        if ticket.ready("b3"):
+            pytest.skip("the daemon warmed every tensor before the rank asked")
+        assert ticket.wait_for_read("b3", timeout=60) == "ready"
+        assert list(ticket._waits) == [True]  # a bounded wait, ended warm
         ticket.cancel()
         client.close()
 

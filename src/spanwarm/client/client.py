@@ -69,6 +69,9 @@ _WORTH_WAITING_S = 0.01
 _WORTH_ASKING_S = 0.05
 _WORTH_ASKING_SHARE = 8
 _OWN_SAMPLES, _OWN_BYTES = 4, 4 * 2**20  # own cold reads timed before they bound waits
+# How fast the daemon brings this request's tensors is known once it has brought this
+# much (see Ticket._daemon_slower).
+_DELIVERED_BYTES = 8 * 2**20
 _REPORT_DELAY = 0.01  # consumption reports are batched over this many seconds
 # Ping an idle connection every 10 s and give up on it 5 s after an unanswered ping: a
 # SIGSTOPped or unreachable daemon ends the stream with UNAVAILABLE instead of never.
@@ -158,6 +161,9 @@ class Ticket:
         self._own_bytes = 0
         self._own_seconds = 0.0
         self._own_reads: OwnReads | None = None  # the spans to hint before such a read
+        # What the daemon has brought since the plan came: cold bytes of tensors it warmed.
+        self._delivering_since: float | None = None
+        self._delivered = 0.0
 
     def wait(self, names: Iterable[str] | None = None, timeout: float | None = None) -> bool:
         """Block until these tensors (all, if None) are warm or released; False on timeout.
@@ -191,8 +197,10 @@ class Ticket:
         than ``_WORTH_WAITING_S``. Until the daemon has learned it, ranks wait as
         :meth:`wait` does. On fast local storage ranks thus never queue behind the daemon;
         on a slow mount, where the daemon's many reads in flight beat one stream, they wait.
-        A rank whose waits too often end with it reading the tensor itself stops waiting
-        (see :meth:`_daemon_behind`). Before ``"read"`` for a tensor that is not warm, the
+        Once the daemon has brought 8 MiB of this request, a tensor it would bring later
+        at that pace than the rank reads it is read at once, with no wait first (see
+        :meth:`_daemon_slower`), and a rank whose waits too often end with it reading the
+        tensor itself stops waiting (see :meth:`_daemon_behind`). Before ``"read"`` for a tensor that is not warm, the
         kernel is asked to start reading exactly its bytes (:mod:`.own_reads`): the
         loader's faults then wait for those pages instead of reading whole read-ahead
         windows around them.
@@ -242,6 +250,9 @@ class Ticket:
                     if bound < _WORTH_WAITING_S and not waited:
                         self._cold.add(i)
                         return "read"  # sooner read than waited for (a begun wait ends below)
+                    if bound != np.inf and not waited and self._daemon_slower(i, bound):
+                        self._cold.add(i)
+                        return "read"  # at the daemon's pace so far, it would come later
                     if bound != np.inf and not waited:
                         waited = True
                         if self._daemon_behind():
@@ -331,6 +342,23 @@ class Ticket:
             if len(self._own_samples) >= _OWN_SAMPLES and nbytes >= _OWN_BYTES:
                 self._own_bytes = nbytes
                 self._own_seconds = sum(t for _, t in self._own_samples)
+
+    def _daemon_slower(self, i: int, bound: float) -> bool:
+        """Whether, at the pace the daemon has brought this request's tensors since the
+        plan came, tensor ``i``'s cold bytes would take it longer than ``bound``, this
+        rank's own read of them. Then the rank reads now, beside the daemon's reads, and
+        does not wait first: on storage the daemon's parallel reads do not outrun one
+        stream by much (a local disk), the two together bring more than the daemon alone,
+        and a wait that ends with the rank reading costs both. Where they do (a network
+        mount), the daemon brings tensors many times faster than a rank reads one, and
+        ranks wait as before. The pace counts from the plan, so it starts low (the first
+        reads' latency) and errs toward reading; a tensor the daemon is already reading
+        is shared through the page cache either way. (Caller holds the lock.)"""
+        since = self._delivering_since
+        if since is None or self._delivered < _DELIVERED_BYTES:
+            return False
+        rate = self._delivered / max(time.monotonic() - since, 1e-3)
+        return bool(self._cold_bytes[i] > rate * bound)
 
     def _daemon_behind(self) -> bool:
         """Whether, over this rank's last bounded waits, the daemon was too often not
@@ -477,6 +505,8 @@ class Ticket:
         np.maximum.at(seconds, group_index, one_piece)
         with self._cond:
             self._read_yourself_s = seconds
+            if last and self._delivering_since is None:
+                self._delivering_since = time.monotonic()  # the daemon reads from here on
             self._cond.notify_all()  # waiters re-read their limit
 
     def _progressed(self) -> None:
@@ -504,12 +534,19 @@ class Ticket:
             if progress:
                 self._progress_at = time.monotonic()
             states, n = self._state, len(self._state)
+            warmed = []
             for i in groups:
                 if 0 <= i < n and states[i] == _PENDING:
                     states[i] = state
                     self._pending -= 1
                     if reason:
                         self.failures[self._names[i]] = reason
+                    warmed.append(i)
+            # The daemon's pace: not tensors this rank was told to read itself (their
+            # pages come from its own reads; the daemon finds them resident).
+            brought = [i for i in warmed if i not in self._cold] if state == _READY else []
+            if brought:
+                self._delivered += float(self._cold_bytes[brought].sum())
             self._cond.notify_all()
             own_reads = None
             if not self._pending:  # nothing left to read cold: no more hints

@@ -200,10 +200,10 @@ class Ticket:
         Once the daemon has brought 8 MiB of this request, a tensor it would bring later
         at that pace than the rank reads it is read at once, with no wait first (see
         :meth:`_daemon_slower`), and a rank whose waits too often end with it reading the
-        tensor itself stops waiting (see :meth:`_daemon_behind`). Before ``"read"`` for a tensor that is not warm, the
-        kernel is asked to start reading exactly its bytes (:mod:`.own_reads`): the
-        loader's faults then wait for those pages instead of reading whole read-ahead
-        windows around them.
+        tensor itself stops waiting (see :meth:`_daemon_behind`). Before ``"read"`` for a
+        tensor that is not warm, the kernel is asked to start reading exactly its bytes
+        (:mod:`.own_reads`): the loader's faults then wait for those pages instead of
+        reading whole read-ahead windows around them.
         """
         i = self._index.get(name)
         if i is None:
@@ -534,17 +534,17 @@ class Ticket:
             if progress:
                 self._progress_at = time.monotonic()
             states, n = self._state, len(self._state)
-            warmed = []
+            # Warmed by the daemon, for its pace (_daemon_slower): not tensors this rank
+            # was told to read itself (their pages come from its own reads).
+            brought: list[int] = []
             for i in groups:
                 if 0 <= i < n and states[i] == _PENDING:
                     states[i] = state
                     self._pending -= 1
                     if reason:
                         self.failures[self._names[i]] = reason
-                    warmed.append(i)
-            # The daemon's pace: not tensors this rank was told to read itself (their
-            # pages come from its own reads; the daemon finds them resident).
-            brought = [i for i in warmed if i not in self._cold] if state == _READY else []
+                    if state == _READY and i not in self._cold:
+                        brought.append(i)
             if brought:
                 self._delivered += float(self._cold_bytes[brought].sum())
             self._cond.notify_all()

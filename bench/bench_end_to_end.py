@@ -152,9 +152,10 @@ def cached_bytes(path: Path) -> int:
 
 class CacheSampler:
     """Peak page cache held by the checkpoint files during a run (cachestat every 100 ms),
-    and the largest node plan the daemon held (its Status, every 250 ms: the plan is in
-    place from the first request to the last tensor, and on a 2-core machine asking more
-    often costs the spanwarm arm CPU that the others do not pay)."""
+    and the node plan the daemon held (its Status, every 250 ms until two answers agree:
+    the local ranks' requests go out together, so the plan is whole within the first
+    quarter second; a Status during a load costs the daemon a few ms of CPU, which on a
+    2-core machine the spanwarm arm would pay and the others not)."""
 
     def __init__(self, paths: list[Path], socket: str | None) -> None:
         self.paths = paths
@@ -173,7 +174,10 @@ class CacheSampler:
     def _sample_plan(self) -> None:
         client = Client(self._socket)
         while not self._stop.wait(0.25):
-            self.planned = max(self.planned, client.status()["bytes_planned"])
+            planned = client.status()["bytes_planned"]
+            if planned and planned == self.planned:
+                break
+            self.planned = max(self.planned, planned)
         client.close()
 
     def resident(self) -> int:

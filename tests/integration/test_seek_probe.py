@@ -373,6 +373,8 @@ def test_probes_slower_than_the_daemons_own_streams_are_retried_then_the_fastest
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(seek_probe, "DISTURBED_BACKOFF_S", 0.0)
+    # Only the rate test here: the device's read counter is the next test's.
+    monkeypatch.setattr(seek_probe, "device_read_bytes", lambda device: None)
     caplog.set_level("INFO", logger="spanwarm.daemon")
     path = cold_file(tmp_path / "shard.bin", MIN_FILE_BYTES + 8 * MiB)
     device = os.stat(path).st_dev
@@ -440,7 +442,6 @@ def test_a_probe_while_something_else_reads_the_disk_is_not_kept(
         assert _tick_until(prober, lambda: learned.seek_cost(device) > 0)
         assert caplog.text.count("disturbed (") < seek_probe.MAX_DISTURBED
         assert "keeping the fastest" not in caplog.text
-        assert not learned.probe_disturbed(mount_name(device))
     finally:
         stop.set()
         prober.close()

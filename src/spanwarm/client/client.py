@@ -161,7 +161,8 @@ class Ticket:
         self._own_bytes = 0
         self._own_seconds = 0.0
         self._own_reads: OwnReads | None = None  # the spans to hint before such a read
-        # What the daemon has brought since the plan came: cold bytes of tensors it warmed.
+        # What the daemon has brought since its first tensor of the request: cold bytes of
+        # tensors it warmed (see _daemon_slower).
         self._delivering_since: float | None = None
         self._delivered = 0.0
 
@@ -344,16 +345,18 @@ class Ticket:
                 self._own_seconds = sum(t for _, t in self._own_samples)
 
     def _daemon_slower(self, i: int, bound: float) -> bool:
-        """Whether, at the pace the daemon has brought this request's tensors since the
-        plan came, tensor ``i``'s cold bytes would take it longer than ``bound``, this
+        """Whether, at the pace the daemon has brought this request's tensors so far,
+        tensor ``i``'s cold bytes would take it longer than ``bound``, this
         rank's own read of them. Then the rank reads now, beside the daemon's reads, and
         does not wait first: on storage the daemon's parallel reads do not outrun one
         stream by much (a local disk), the two together bring more than the daemon alone,
         and a wait that ends with the rank reading costs both. Where they do (a network
         mount), the daemon brings tensors many times faster than a rank reads one, and
-        ranks wait as before. The pace counts from the plan, so it starts low (the first
-        reads' latency) and errs toward reading; a tensor the daemon is already reading
-        is shared through the page cache either way. (Caller holds the lock.)"""
+        ranks wait as before. The pace counts from the daemon's first tensor of the
+        request on (that tensor's bytes not counted): the first reads' latency, or other
+        requests ahead of this one, would make it look slower than it is. A tensor the
+        daemon is already reading is shared through the page cache either way. (Caller
+        holds the lock.)"""
         since = self._delivering_since
         if since is None or self._delivered < _DELIVERED_BYTES:
             return False
@@ -505,8 +508,6 @@ class Ticket:
         np.maximum.at(seconds, group_index, one_piece)
         with self._cond:
             self._read_yourself_s = seconds
-            if last and self._delivering_since is None:
-                self._delivering_since = time.monotonic()  # the daemon reads from here on
             self._cond.notify_all()  # waiters re-read their limit
 
     def _progressed(self) -> None:
@@ -545,7 +546,9 @@ class Ticket:
                         self.failures[self._names[i]] = reason
                     if state == _READY and i not in self._cold:
                         brought.append(i)
-            if brought:
+            if brought and self._delivering_since is None:
+                self._delivering_since = time.monotonic()  # the first: the pace starts here
+            elif brought:
                 self._delivered += float(self._cold_bytes[brought].sum())
             self._cond.notify_all()
             own_reads = None

@@ -35,12 +35,13 @@ No live request does not mean an idle device: a job loading without spanwarm, or
 its checkpoint, may read the mount meanwhile, and a probe it slows down prices every
 later load there (one such probe on this machine's disk measured 88 MB/s for a stream
 that gets 800, and for a week ranks waited several times longer than reading the tensor
-themselves took). So a probe is **disturbed**, and not kept, when the block device
-read more than the probe itself did meanwhile (``/sys/dev/block/MAJ:MIN/stat``; network
-and FUSE mounts have none), or when its lone stream came out slower than one of the
-daemon's own streams sharing the mount with seven others. The mount is probed again at
-its next idle moment, up to ``MAX_DISTURBED`` times a run; then the least disturbed
-figure (the fastest lone stream) is kept. A kept figure that is below the daemon's own
+themselves took). So a probe is **disturbed**, and not kept, when others read the block
+device meanwhile at over a quarter of the lone stream the probe measured
+(``/sys/dev/block/MAJ:MIN/stat``; network and FUSE mounts have none), or when its lone
+stream came out below 0.8 of one of the daemon's own streams, which share the mount
+with seven others. The mount is probed again at its next idle moment, up to
+``MAX_DISTURBED`` probes a run; then the least disturbed figure (the fastest lone
+stream) is kept. A kept figure below the daemon's own
 streams (an older daemon's, or one whose mount has since got faster) is probed again,
 within the same bound.
 """
@@ -83,14 +84,16 @@ MAX_STUCK_PER_UID = 2  # probes of a user's files lost in hung storage: no more 
 MAX_FAILED_PER_UID = 16  # a user's files that gave no figure: no more for it
 MAX_WAITING_PER_UID = 8  # files of one user's requests waiting: others' get room too
 MAX_TRIED = 4096  # files remembered as having given no figure
-MAX_DISTURBED = 4  # disturbed probes of one mount in a run before the best is kept
+MAX_DISTURBED = 4  # probes of one mount in a run, disturbed or re-probed, at most
 # After the n-th disturbed probe the mount waits this many seconds x 2^(n-1) (whatever else
 # reads the storage may go on for a while: a load without spanwarm, a checkpoint save).
 DISTURBED_BACKOFF_S = 30.0
-# Bytes the device may read beyond the probe's own while it runs (file system metadata,
-# an idle system's trickle) before the probe counts as disturbed: this, or a quarter of
-# what the probe read, whichever is more.
+# Others' reads of the device while the probe runs disturb it when they are more than
+# this many bytes (file system metadata, an idle system's trickle) and, per second of the
+# probe, more than this share of the lone stream it measured: a reader at 25 MB/s beside
+# a probe of an 800 MB/s disk is not one, a load beside it is.
 FOREIGN_SLACK_BYTES = 4 << 20
+FOREIGN_SHARE = 0.25
 
 
 @dataclass
@@ -119,7 +122,7 @@ class _Probe:
 @dataclass(frozen=True)
 class _Measured:
     cost: SeekCost
-    own_bytes: int  # what the probe read
+    seconds: float  # how long the measurement took
     foreign_bytes: int | None  # what else the block device read meanwhile (None: no counter)
 
 
@@ -162,7 +165,10 @@ class SeekProber:
         self._failed: collections.Counter[int] = collections.Counter()  # per uid
         self._idle_ticks = 0
         self._lost = 0  # threads given up with their probe
-        self._disturbed: collections.Counter[str] = collections.Counter()  # per mount
+        # Per mount, this run: probes that ended with a figure, disturbed or not (bounds
+        # both the retries of a disturbed probe and re-probes of a figure found below the
+        # daemon's own streams; a figure a week old starts the count again).
+        self._probed: collections.Counter[str] = collections.Counter()
         self._not_before: dict[str, float] = {}  # per mount: no probe before (monotonic)
         # Per mount: the fastest of this run's disturbed probes (device, figure, files).
         self._least_disturbed: dict[str, tuple[int, SeekCost, str]] = {}
@@ -177,7 +183,7 @@ class SeekProber:
         age = self._learned.seek_cost_age(mount)
         if age is None or age > MAX_AGE_S:
             return True
-        return self._disturbed[mount] < MAX_DISTURBED and self._learned.probe_disturbed(mount)
+        return self._probed[mount] < MAX_DISTURBED and self._learned.probe_disturbed(mount)
 
     def offer(self, file: OpenFile, uid: int) -> None:
         """A request of ``uid`` names ``file``: kept to probe its mount on, if the mount
@@ -270,14 +276,14 @@ class SeekProber:
             files = list(zip(fds, (c.file.size for c in probe.files), strict=True))
             plan = plan_seek_measurement(files, busy=busy, touch=touch)
             device = probe.files[0].file.identity.device
-            before = device_read_bytes(device)
+            before, started = device_read_bytes(device), time.monotonic()
             cost = measure_seek_cost(
                 fds, plan, busy=busy, chunk_bytes=self._chunk, read=probe.read, touch=touch
             )
-            after = device_read_bytes(device)
+            after, seconds = device_read_bytes(device), time.monotonic() - started
             own = sum(stop - start for _, start, stop in probe.read)
             foreign = None if before is None or after is None else after - before - own
-            return _Measured(cost, own, foreign)
+            return _Measured(cost, seconds, foreign)
 
     def _give_up(self, running: _Probe) -> None:
         """A probe stuck in the storage: its thread is lost, its mount not probed again
@@ -358,6 +364,10 @@ class SeekProber:
         ``MAX_DISTURBED`` times; the last time, the least disturbed figure of the run is
         kept."""
         mount, result = running.files[0].mount, measured.cost
+        age = self._learned.seek_cost_age(mount)
+        if age is not None and age > MAX_AGE_S:
+            self._probed[mount] = 0  # the weekly probe: its retries count afresh
+        self._probed[mount] += 1
         reason = self._disturbance(mount, measured)
         paths = ", ".join(dict.fromkeys(running.files[i].file.path for i, _, _ in running.read))
         this = (running.files[0].file.identity.device, result, paths)
@@ -365,12 +375,11 @@ class SeekProber:
             self._least_disturbed.pop(mount, None)
             self._learn(mount, *this)
             return []
-        self._disturbed[mount] += 1
         best = self._least_disturbed.get(mount)
         if best is None or result.window_bytes_per_s > best[1].window_bytes_per_s:
             best = self._least_disturbed[mount] = this
-        if self._disturbed[mount] < MAX_DISTURBED:
-            wait = DISTURBED_BACKOFF_S * 2 ** (self._disturbed[mount] - 1)
+        if self._probed[mount] < MAX_DISTURBED:
+            wait = DISTURBED_BACKOFF_S * 2 ** (self._probed[mount] - 1)
             self._not_before[mount] = time.monotonic() + wait
             logger.info(
                 "seek cost probe of %s disturbed (%s): probed again when the node is idle, "
@@ -392,11 +401,18 @@ class SeekProber:
 
     def _disturbance(self, mount: str, measured: _Measured) -> str | None:
         """Why the probe cannot be believed, or None."""
-        foreign = measured.foreign_bytes
-        if foreign is not None and foreign > max(FOREIGN_SLACK_BYTES, measured.own_bytes // 4):
-            return f"the device read {foreign / 2**20:.1f} MiB besides the probe's"
-        lone, daemon = measured.cost.window_bytes_per_s, self._learned.learned_bytes_per_s(mount)
-        if lone < daemon:
+        foreign, lone = measured.foreign_bytes, measured.cost.window_bytes_per_s
+        if (
+            foreign is not None
+            and foreign > FOREIGN_SLACK_BYTES
+            and foreign > FOREIGN_SHARE * lone * measured.seconds
+        ):
+            return (
+                f"the device read {foreign / 2**20:.1f} MiB besides the probe's in "
+                f"{measured.seconds:.2f} s"
+            )
+        if self._learned.below_own_streams(mount, lone):
+            daemon = self._learned.learned_bytes_per_s(mount)
             return (
                 f"one lone stream {lone / 2**20:.1f} MiB/s, below one of the daemon's "
                 f"{daemon / 2**20:.1f} MiB/s"

@@ -73,6 +73,10 @@ _MAX_RATE = 1e12  # bytes per second: past it, a figure is not believed
 # What one request of a rank's own read brings (a loader's read, the mapping's readahead):
 # the probe's lone stream pays the mount's latency once per this many bytes.
 RANK_READ_BYTES = 1 << 20
+# A probe's lone stream below this share of one of the daemon's own streams was disturbed
+# (the margin keeps a mount whose lone and shared streams get about the same from being
+# probed again after every load that nudges the daemon's figure up).
+BELOW_OWN_SHARE = 0.8
 
 
 def mount_name(device: int, mountinfo: str = "/proc/self/mountinfo") -> str:
@@ -110,10 +114,15 @@ class _Mount:
             return self.weighted_bytes / self.weighted_seconds
         return 0.0
 
+    def below_own_streams(self, lone_bytes_per_s: float) -> bool:
+        """A lone stream this slow cannot be right: one of the daemon's own streams, which
+        share the mount with the other workers', got more (``BELOW_OWN_SHARE`` of it)."""
+        return lone_bytes_per_s < BELOW_OWN_SHARE * self.learned_bytes_per_s()
+
     def probe_disturbed(self) -> bool:
-        """The probe's lone stream was slower than one of the daemon's streams sharing the
-        mount: something else read the storage while it ran (:mod:`.seek_probe` probes again)."""
-        return bool(self.seek_cost) and self.lone_bytes_per_s < self.learned_bytes_per_s()
+        """The probe's lone stream is below the daemon's own streams on the mount:
+        something else read the storage while it ran (:mod:`.seek_probe` probes again)."""
+        return bool(self.seek_cost) and self.below_own_streams(self.lone_bytes_per_s)
 
     def bytes_per_s(self, use_lone: bool = True) -> float:
         learned = self.learned_bytes_per_s()
@@ -194,6 +203,13 @@ class StreamThroughput:
         with self._lock:
             m = self._mounts.get(mount)
             return 0.0 if m is None else m.learned_bytes_per_s()
+
+    def below_own_streams(self, mount: str, lone_bytes_per_s: float) -> bool:
+        """Whether a lone stream of ``lone_bytes_per_s`` is below the daemon's own streams
+        on ``mount`` (see ``BELOW_OWN_SHARE``)."""
+        with self._lock:
+            m = self._mounts.get(mount)
+            return m is not None and m.below_own_streams(lone_bytes_per_s)
 
     def probe_disturbed(self, mount: str) -> bool:
         """Whether the figure kept for ``mount`` came from a probe that something else's

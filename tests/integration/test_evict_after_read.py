@@ -71,8 +71,9 @@ def test_bytes_resident_before_the_daemon_came_stay(tmp_path: Path) -> None:
         assert ticket.wait(timeout=30)
         ticket.consumed(["a", "b"])
         wait_for(lambda: resident(path, 8 * MiB, 8 * MiB) == 0)  # what it read: dropped
-        # What it found there: kept (but for a few pages this VM may reclaim meanwhile).
-        assert resident(path, 0, 8 * MiB) >= 8 * MiB * 0.9
+        # What it found there: kept. Dropped, none of it would be left; this VM's idle
+        # reclaim took 28% of it once during a full CI run, so more than half is the bar.
+        assert resident(path, 0, 8 * MiB) > 8 * MiB * 0.5
         client.close()
 
 

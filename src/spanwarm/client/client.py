@@ -251,10 +251,10 @@ class Ticket:
                     if bound < _WORTH_WAITING_S and not waited:
                         self._cold.add(i)
                         return "read"  # sooner read than waited for (a begun wait ends below)
-                    if bound != np.inf and not waited and self._daemon_slower(i, bound):
-                        self._cold.add(i)
-                        return "read"  # at the daemon's pace so far, it would come later
                     if bound != np.inf and not waited:
+                        if self._daemon_slower(i, bound):
+                            self._cold.add(i)
+                            return "read"  # at the daemon's pace so far, it comes later
                         waited = True
                         if self._daemon_behind():
                             self._cold.add(i)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["MADV_POPULATE_READ", "madvise", "map_range", "mapped", "mincore", "unmap"]
+__all__ = ["MADV_POPULATE_READ", "madvise", "map_range", "mapped", "mincore", "populate", "unmap"]
 
 MADV_POPULATE_READ = 22  # Linux 5.14+; not in the mmap module of Python 3.11
 
@@ -76,3 +76,13 @@ def mincore(addr: int, length: int) -> bytearray:
     if _libc.mincore(addr, length, (ctypes.c_ubyte * pages).from_buffer(vec)) != 0:
         raise _errno_error("mincore")
     return vec
+
+
+def populate(addr: int, length: int) -> int:
+    """Fault a mapped range in (``MADV_POPULATE_READ``) without read-ahead; 0 or the errno.
+
+    ``MADV_RANDOM`` first: a fault that finds a page carrying a read-ahead mark (left by
+    another reader's read-ahead window) would otherwise read the 8-16 MiB that follow it,
+    bytes nobody asked for."""
+    madvise(addr, length, mmap.MADV_RANDOM)
+    return madvise(addr, length, MADV_POPULATE_READ)

@@ -316,6 +316,10 @@ class HeaderCache:
             cached = self._hit(key, count_miss=True)
             if cached is not None:
                 return cached
+            # No read-ahead on this descriptor: a read-ahead window leaves PG_readahead
+            # marks on the header's pages, and the loader's first touch of one reads the
+            # next 8-16 MiB past them, bytes no rank asked for.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             header = _parse_header(name, fd, st.st_size)
         finally:
             os.close(fd)

@@ -10,6 +10,7 @@ the disk it learned.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 from spanwarm.client import Client
 from spanwarm.client.access import grant
 from spanwarm.daemon.throughput import mount_name
+from spanwarm.residency import resident_bytes
 from tests.daemon_harness import cold_file, running_daemon
 from tests.integration.test_daemon import MiB, resident, span
 
@@ -492,5 +494,34 @@ def test_a_resident_request_is_answered_before_request_returns(tmp_path: Path) -
         progress = ticket.progress
         assert (progress.resident, progress.ready) == (3, 1)
         assert resident(cold, 0, 4 * MiB) == 4 * MiB
+        ticket.cancel()
+        client.close()
+
+
+def test_tensors_read_before_the_request_went_out_are_hinted_too(tmp_path: Path) -> None:
+    """A loader starts reading the moment request() returns, while the ticket's thread is
+    still building and proving the request: those first cold reads are hinted exactly
+    too. Unhinted, each fault through the loader's mapping reads a read-ahead window
+    around itself (8 MiB on this VM's disk for a 1 MiB tensor)."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 64 * MiB, seed=17)
+    state = learned_state(tmp_path / "state", path, 1e9)  # a 1 MiB read: 1 ms here
+    names = [f"t{i}" for i in range(8)]
+    with running_daemon(*FLAGS, "--throttle", "1MiB", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapping:
+                ticket = client.request(
+                    [span(n, path, i * 8 * MiB, MiB) for i, n in enumerate(names)]
+                )
+                for i, name in enumerate(names):
+                    assert ticket.wait_for_read(name, timeout=60) in ("read", "ready")
+                    _ = mapping[i * 8 * MiB : i * 8 * MiB + MiB]  # a copy: every page in
+            time.sleep(0.2)  # any read-ahead the faults began lands meanwhile
+            assert [resident_bytes(fd, i * 8 * MiB, MiB) for i in range(8)] == [MiB] * 8
+            gaps = [resident_bytes(fd, i * 8 * MiB + MiB, 7 * MiB) for i in range(8)]
+            assert gaps == [0] * 8  # nothing around the tensors
+        finally:
+            os.close(fd)
         ticket.cancel()
         client.close()

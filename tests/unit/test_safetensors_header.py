@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from spanwarm import errors
+from spanwarm.residency import PAGE, evict, resident_bytes
 from spanwarm.safetensors_header import (
     DTYPE_BITS,
     HeaderCache,
@@ -20,6 +23,7 @@ from spanwarm.safetensors_header import (
 from tests.conftest import raw_safetensors
 
 WriteRaw = Callable[[str, bytes], Path]
+MiB = 2**20
 
 
 def entry(dtype: str, shape: list[int], begin: int, end: int) -> dict[str, object]:
@@ -468,3 +472,45 @@ def test_open_checkpoint_again_sees_a_rewritten_shard(tmp_path: Path) -> None:
     assert list(again.pieces) == ["u"]
     with pytest.raises(TypeError):  # shared between callers: nobody may change it
         again.pieces["t"] = ()  # type: ignore[index]
+
+
+def _header_then_first_tensors(path: Path, read_the_header: Callable[[], object]) -> int:
+    """Evict ``path``, read its header with ``read_the_header``, then do what a loader
+    does next: its first 4 MiB of tensors hinted exactly (as the daemon or a rank's own
+    read asks for them) and read through a mapping. Returns the bytes resident past them."""
+    evict(path)
+    read_the_header()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 4 * MiB, os.POSIX_FADV_WILLNEED)
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapping:
+            _ = mapping[: 4 * MiB]  # a copy: every page touched
+        time.sleep(0.2)  # any read-ahead the touches started lands meanwhile
+        return resident_bytes(fd, 4 * MiB + PAGE, 36 * MiB)
+    finally:
+        os.close(fd)
+
+
+def test_reading_a_header_leaves_no_read_ahead_marks(tmp_path: Path) -> None:
+    """A header read with read-ahead leaves PG_readahead marks on its pages; a loader's
+    first touch of one then reads the 8-16 MiB after the bytes it asked for (seen as
+    128 MiB of unasked reads in transformers' loads on this VM). read_header reads the
+    header without read-ahead: nothing past the loader's own bytes is read."""
+    tensors = {f"t{i}": entry("U8", [MiB], i * MiB, (i + 1) * MiB) for i in range(40)}
+    path = tmp_path / "model.safetensors"
+    with path.open("wb") as f:
+        f.write(raw_safetensors(tensors, os.urandom(40 * MiB)))
+        os.fsync(f.fileno())
+
+    def plain_read() -> None:  # the header read as any reader does it, read-ahead on
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            os.pread(fd, length, 8)
+        finally:
+            os.close(fd)
+
+    marked = _header_then_first_tensors(path, plain_read)
+    if marked < MiB:
+        pytest.skip(f"no read-ahead past marked pages on this device ({marked} bytes)")
+    assert _header_then_first_tensors(path, lambda: HeaderCache().read(path)) == 0

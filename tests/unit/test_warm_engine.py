@@ -18,6 +18,7 @@ import pytest
 from spanwarm.daemon import warm_engine
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method, populate_supported
 from spanwarm.errors import FileChangedError
+from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
 from spanwarm.residency import PAGE, evict, resident_bytes
 
 MiB = 2**20
@@ -295,3 +296,45 @@ def test_populate_is_the_default_on_linux_5_14_and_later() -> None:
         pytest.skip("kernel predates MADV_POPULATE_READ")
     assert populate_supported()
     assert default_method() is WarmMethod.POPULATE
+
+
+@pytest.mark.skipif(not populate_supported(), reason="no MADV_POPULATE_READ")
+def test_warming_does_not_follow_read_ahead_marks_other_readers_left(
+    cold_file: ColdFile,
+) -> None:
+    """A rank reading a file's header with read-ahead on leaves PG_readahead marks on
+    the pages it read. A bare MADV_POPULATE_READ that faults such a page reads the 8 MiB
+    after the range it was asked for; the engine's populate must not (its mapping is
+    MADV_RANDOM), nor must pinning a warmed range."""
+    path, fd = cold_file(48 * MiB)
+
+    def header_read_then(warm: Callable[[], object]) -> int:
+        evict(path)
+        plain = os.open(path, os.O_RDONLY)  # the rank's descriptor: read-ahead on
+        try:
+            os.pread(plain, 8, 0)
+            os.pread(plain, 60000, 8)
+        finally:
+            os.close(plain)
+        warm()
+        time.sleep(0.2)  # read-ahead the faults began lands meanwhile
+        return resident_bytes(fd, 4 * MiB, 44 * MiB)
+
+    def bare_populate() -> None:
+        os.posix_fadvise(fd, 0, 4 * MiB, os.POSIX_FADV_WILLNEED)
+        with mapped(fd, 0, 4 * MiB) as addr:
+            assert madvise(addr, 4 * MiB, MADV_POPULATE_READ) == 0
+
+    followed = header_read_then(bare_populate)
+    if followed < MiB:
+        pytest.skip(f"no read-ahead past marked pages on this device ({followed} bytes)")
+    engine = WarmEngine(WarmMethod.POPULATE)
+    assert header_read_then(lambda: engine.warm(fd, [(0, 4 * MiB)])) == 0
+    assert_resident(fd, 0, 4 * MiB)
+
+    def warm_then_pin() -> None:
+        os.posix_fadvise(fd, 0, 4 * MiB, os.POSIX_FADV_WILLNEED)
+        with mapped(fd, 0, 4 * MiB) as addr:
+            assert populate(addr, 4 * MiB) == 0
+
+    assert header_read_then(warm_then_pin) == 0

@@ -819,6 +819,12 @@ class Client:
         from spanwarm.rpc.v1 import warmer_pb2
 
         try:
+            if self.read_yourself:
+                # Before anything else: the loader reads its first tensors itself while the
+                # request is being built and proved, and each of those reads unhinted is a
+                # fault reading a whole read-ahead window (and leaving marks that read
+                # more), 8-16 MiB for a slice of one.
+                ticket._keep_own_reads(OwnReads.of(spans))
             # First, before the grant and the plan: a rank reads the tensors resident
             # already at once instead of waiting for the daemon's answer, and asks only
             # for the others. Nothing could make those sooner, and the daemon's work for
@@ -853,8 +859,6 @@ class Client:
             ticket._call = call
             if ticket.finished.is_set():  # cancel() or the watchdog ran before _call was set
                 call.cancel()
-            if self.read_yourself:  # while the daemon admits it: off the request's path
-                ticket._keep_own_reads(OwnReads.of(request))
             for event in call:
                 kind = event.WhichOneof("event")
                 if kind == "heartbeat":

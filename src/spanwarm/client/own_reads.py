@@ -63,7 +63,8 @@ class OwnReads:
 
     @classmethod
     def of(cls, request: Any) -> OwnReads | None:
-        """None for a request too large to keep its spans for the load."""
+        """None for a request too large to keep its spans for the load. ``request``: a
+        WarmRequest, or the span columns one is built from (same field names)."""
         return cls(request) if len(request.offset) <= MAX_HINTED_SPANS else None
 
     def ranges(self, group: int) -> list[tuple[int, int, int]]:

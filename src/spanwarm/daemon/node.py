@@ -83,7 +83,7 @@ from spanwarm.daemon.warm_engine import (
     default_method,
 )
 from spanwarm.errors import FileChangedError
-from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, unmap
+from spanwarm.memory_map import map_range, populate, unmap
 from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.spans import Intervals, SpanTable, run_offsets
 
@@ -208,7 +208,7 @@ def _pin(fd: int, start: int, stop: int) -> tuple[int, int]:
     base = start - start % PAGE
     length = stop - base
     addr = map_range(fd, base, length)
-    madvise(addr, length, MADV_POPULATE_READ)
+    populate(addr, length)
     return addr, length
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from spanwarm.errors import FileChangedError
-from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped
+from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
 from spanwarm.residency import PAGE, residency_trusted, resident_bytes
 
 __all__ = [
@@ -215,7 +215,7 @@ class WarmEngine:
         start = off - off % PAGE
         length = end - start
         with mapped(fd, start, length) as addr:
-            err = madvise(addr, length, MADV_POPULATE_READ)
+            err = populate(addr, length)
         if err == errno.EFAULT and os.fstat(fd).st_size < end:
             raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS
         if err:

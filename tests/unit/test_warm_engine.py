@@ -19,6 +19,7 @@ from spanwarm.daemon import warm_engine
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method, populate_supported
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
+from spanwarm.read_ahead import hint_window
 from spanwarm.residency import PAGE, evict, resident_bytes
 
 MiB = 2**20
@@ -338,3 +339,34 @@ def test_warming_does_not_follow_read_ahead_marks_other_readers_left(
             assert populate(addr, 4 * MiB) == 0
 
     assert header_read_then(warm_then_pin) == 0
+
+
+@pytest.mark.skipif(not populate_supported(), reason="no MADV_POPULATE_READ")
+def test_populate_on_a_mount_with_a_small_window_reads_whole_windows(tmp_path: Path) -> None:
+    """The kernel cuts one WILLNEED to the device's window: 128 KiB on a FUSE mount. The
+    populate that follows faults without read-around (MADV_RANDOM), so a piece hinted
+    in one call would have the rest of its pages read one at a time, 4 KiB per request.
+    The engine hints in windows: a read request per window, and only the range's bytes."""
+    from bench.slowfs import fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "f.bin").write_bytes(os.urandom(16 * MiB))
+    with mount(source, tmp_path / "mnt") as fs:
+        window = fs.read_ahead_kb * 2**10
+        assert window < 8 * MiB  # else this mount shows nothing
+        path = fs.path("f.bin")
+        assert hint_window(os.stat(path).st_dev) == window
+        evict(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            assert WarmEngine(WarmMethod.POPULATE).warm(fd, [(0, 8 * MiB)]) == 8 * MiB
+            assert_resident(fd, 0, 8 * MiB)
+        finally:
+            os.close(fd)
+        counts = fs.stats()["files"]["f.bin"]
+    assert counts["bytes"] == 8 * MiB
+    assert counts["requests"] <= 2 * (8 * MiB // window)

@@ -22,13 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from spanwarm.read_ahead import DEFAULT_WINDOW, hint_window
+
 __all__ = ["OwnReads"]
 
 logger = logging.getLogger("spanwarm.client")
 
-# The kernel cuts one WILLNEED to about max(read_ahead_kb, max_sectors_kb) of the device,
-# so longer ranges go in pieces of this (a size every device's window holds).
-_HINT_PIECE = 2 * 2**20
 # A strided span whose envelope is at most this many times its bytes is hinted whole;
 # else row by row, for up to _ROWS_HINTED rows (a span of more is not hinted: the rank
 # reads it as it would without spanwarm). Never more than twice a tensor's own bytes.
@@ -56,7 +55,7 @@ class OwnReads:
         self._count = np.asarray(request.count, dtype=np.int64)[order]
         groups = int(group.max()) + 1 if len(group) else 0
         self._ptr = np.searchsorted(group[order], np.arange(groups + 1))
-        self._fds: dict[int, int] = {}
+        self._fds: dict[int, tuple[int, int]] = {}  # file position -> descriptor, window
         self._lock = threading.Lock()
         self._in_flight = 0  # hints running outside the lock: descriptors stay open
         self._ended = threading.Event()  # the request ended: no more hints
@@ -111,11 +110,12 @@ class OwnReads:
         try:
             fds = {f: self._descriptor(f) for f in {f for f, _, _ in ranges}}
             for f, start, stop in ranges:
-                fd = fds[f]
+                fd, window = fds[f]
                 if fd < 0:
                     continue
-                for at in range(start, stop, _HINT_PIECE):
-                    os.posix_fadvise(fd, at, min(_HINT_PIECE, stop - at), os.POSIX_FADV_WILLNEED)
+                # In pieces the kernel does not cut (read_ahead.hint_window).
+                for at in range(start, stop, window):
+                    os.posix_fadvise(fd, at, min(window, stop - at), os.POSIX_FADV_WILLNEED)
         except Exception as exc:  # a hint must never fail the read it is for
             logger.debug("spanwarm: no read-ahead hint for group %d: %s", group, exc)
         finally:
@@ -133,29 +133,35 @@ class OwnReads:
         if last:
             self._close_all()
 
-    def _descriptor(self, position: int) -> int:
+    def _descriptor(self, position: int) -> tuple[int, int]:
         """The rank's descriptor for a file of the request, opened once (-1: it will not
-        open). Called with a hint in flight, so none is closed meanwhile; one opened
-        after the last close began is closed by the hint's own end."""
+        open), and its device's hint window. Called with a hint in flight, so none is
+        closed meanwhile; one opened after the last close began is closed by the hint's
+        own end."""
         with self._lock:
-            fd = self._fds.get(position)
-        if fd is not None:
-            return fd
+            opened = self._fds.get(position)
+        if opened is not None:
+            return opened
         try:
             fd = os.open(self._files[position], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except (OSError, IndexError, ValueError):
-            fd = -1  # not hinted; the loader's own open says why
+            opened = (-1, DEFAULT_WINDOW)  # not hinted; the loader's own open says why
+        else:
+            try:
+                opened = (fd, hint_window(os.fstat(fd).st_dev))
+            except OSError:
+                opened = (fd, DEFAULT_WINDOW)
         with self._lock:
-            kept = self._fds.setdefault(position, fd)
-        if kept != fd and fd >= 0:
-            os.close(fd)  # another thread opened it first
+            kept = self._fds.setdefault(position, opened)
+        if kept != opened and opened[0] >= 0:
+            os.close(opened[0])  # another thread opened it first
         return kept
 
     def _close_all(self) -> None:
         """Outside the lock: a close on FUSE waits for the server's FLUSH."""
         with self._lock:
             fds, self._fds = self._fds, {}
-        for fd in fds.values():
+        for fd, _ in fds.values():
             if fd >= 0:
                 try:
                     os.close(fd)
@@ -165,4 +171,4 @@ class OwnReads:
     @property
     def open_descriptors(self) -> int:
         with self._lock:
-            return sum(1 for fd in self._fds.values() if fd >= 0)
+            return sum(1 for fd, _ in self._fds.values() if fd >= 0)

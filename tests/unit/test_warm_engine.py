@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 
 from spanwarm.daemon import warm_engine
-from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod, default_method, populate_supported
+from spanwarm.daemon.warm_engine import (
+    _WINDOWS_AHEAD,
+    WarmEngine,
+    WarmMethod,
+    default_method,
+    populate_supported,
+)
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
 from spanwarm.read_ahead import hint_window
@@ -370,3 +376,34 @@ def test_populate_on_a_mount_with_a_small_window_reads_whole_windows(tmp_path: P
         counts = fs.stats()["files"]["f.bin"]
     assert counts["bytes"] == 8 * MiB
     assert counts["requests"] <= 2 * (8 * MiB // window)
+
+
+def test_populate_keeps_a_streams_requests_few_and_in_order(tmp_path: Path) -> None:
+    """Where a piece spans many windows (FUSE's 128 KiB), hinting all of them at once puts
+    one request per window in flight on the piece's descriptor, served in any order: to a
+    network file system each out-of-order request is a seek. The engine hints a bounded
+    number of windows ahead of its populate, like the kernel's own read-ahead."""
+    from bench.slowfs import fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "f.bin").write_bytes(os.urandom(8 * MiB))
+    # A slow stream (8 MiB in 0.25 s), so that requests sent at once are in flight at once.
+    with mount(source, tmp_path / "mnt", stream_bytes_per_s=32 * MiB) as fs:
+        window = fs.read_ahead_kb * 2**10
+        assert 8 * MiB // window > 2 * _WINDOWS_AHEAD  # else this mount shows nothing
+        path = fs.path("f.bin")
+        evict(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            assert WarmEngine(WarmMethod.POPULATE).warm(fd, [(0, 8 * MiB)]) == 8 * MiB
+            assert_resident(fd, 0, 8 * MiB)
+        finally:
+            os.close(fd)
+        stats = fs.stats()
+    assert stats["files"]["f.bin"]["bytes"] == 8 * MiB
+    assert stats["files"]["f.bin"]["seeks"] == 1  # the first request only
+    assert stats["max_in_flight"] <= _WINDOWS_AHEAD + 2

@@ -347,6 +347,19 @@ def test_warming_does_not_follow_read_ahead_marks_other_readers_left(
     assert header_read_then(warm_then_pin) == 0
 
 
+def _populate_cold(path: Path, nbytes: int) -> None:
+    """Evict ``path``, then warm its first ``nbytes`` as the daemon does (a descriptor
+    with POSIX_FADV_RANDOM, the populate method) and check they are resident."""
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        assert WarmEngine(WarmMethod.POPULATE).warm(fd, [(0, nbytes)]) == nbytes
+        assert_resident(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.skipif(not populate_supported(), reason="no MADV_POPULATE_READ")
 def test_populate_on_a_mount_with_a_small_window_reads_whole_windows(tmp_path: Path) -> None:
     """The kernel cuts one WILLNEED to the device's window: 128 KiB on a FUSE mount. The
@@ -365,19 +378,13 @@ def test_populate_on_a_mount_with_a_small_window_reads_whole_windows(tmp_path: P
         assert window < 8 * MiB  # else this mount shows nothing
         path = fs.path("f.bin")
         assert hint_window(os.stat(path).st_dev) == window
-        evict(path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            assert WarmEngine(WarmMethod.POPULATE).warm(fd, [(0, 8 * MiB)]) == 8 * MiB
-            assert_resident(fd, 0, 8 * MiB)
-        finally:
-            os.close(fd)
+        _populate_cold(path, 8 * MiB)
         counts = fs.stats()["files"]["f.bin"]
     assert counts["bytes"] == 8 * MiB
     assert counts["requests"] <= 2 * (8 * MiB // window)
 
 
+@pytest.mark.skipif(not populate_supported(), reason="no MADV_POPULATE_READ")
 def test_populate_keeps_a_streams_requests_few_and_in_order(tmp_path: Path) -> None:
     """Where a piece spans many windows (FUSE's 128 KiB), hinting all of them at once puts
     one request per window in flight on the piece's descriptor, served in any order: to a
@@ -395,14 +402,7 @@ def test_populate_keeps_a_streams_requests_few_and_in_order(tmp_path: Path) -> N
         window = fs.read_ahead_kb * 2**10
         assert 8 * MiB // window > 2 * _WINDOWS_AHEAD  # else this mount shows nothing
         path = fs.path("f.bin")
-        evict(path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            assert WarmEngine(WarmMethod.POPULATE).warm(fd, [(0, 8 * MiB)]) == 8 * MiB
-            assert_resident(fd, 0, 8 * MiB)
-        finally:
-            os.close(fd)
+        _populate_cold(path, 8 * MiB)
         stats = fs.stats()
     assert stats["files"]["f.bin"]["bytes"] == 8 * MiB
     assert stats["files"]["f.bin"]["seeks"] == 1  # the first request only

@@ -45,7 +45,6 @@ _HINT_STALL_S = 0.05
 # POPULATE: read-ahead windows hinted ahead of the one being faulted in, where a piece
 # spans several (FUSE's 128 KiB): a stream's requests in flight, in order.
 _WINDOWS_AHEAD = 8
-_WILLNEED = os.POSIX_FADV_WILLNEED
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.02
 # Narrowing a failed range down: past this many failing page reads in one range, the
@@ -232,7 +231,8 @@ class WarmEngine:
             for at in range(start, end, window):
                 while hinted < min(end, at + ahead):
                     hint = max(hinted, off)
-                    os.posix_fadvise(fd, hint, min(hinted + window, end) - hint, _WILLNEED)
+                    size = min(hinted + window, end) - hint
+                    os.posix_fadvise(fd, hint, size, os.POSIX_FADV_WILLNEED)
                     hinted += window
                 err = populate(addr + (at - start), min(window, end - at))
                 if err:

@@ -386,6 +386,37 @@ def test_a_rank_waits_for_a_daemon_faster_than_its_own_reads(tmp_path: Path) -> 
         client.close()
 
 
+def test_what_the_daemon_brought_is_not_counted_as_a_ranks_own_read(tmp_path: Path) -> None:
+    """The daemon knows the disk at 16 MB/s: a 2 MiB tensor is worth 0.13 s of waiting.
+    Throttled behind a 16 MiB tensor first in its order, it reaches none of the five
+    small ones during the test; they are in the page cache all the same (read by
+    another process after the request was checked, as the daemon's reads for another
+    rank would put them there). The rank reads four of them itself after bounded waits,
+    a millisecond each (``took``), but none of that millisecond was the storage's: the
+    fifth is still waited for as long as the daemon's figure says, not read at once as
+    by a rank whose own stream had brought 2 GB/s."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 32 * MiB, seed=16)
+    state = learned_state(tmp_path / "state", path, 16e6)
+    with running_daemon(*FLAGS, "--throttle", "1MiB", "--state-dir", str(state)) as daemon:
+        client = Client(daemon.socket)
+        small = [span(f"s{i}", path, 16 * MiB + i * 2 * MiB, 2 * MiB) for i in range(5)]
+        ticket = client.request([span("big", path, 0, 16 * MiB), *small])
+        while not ticket.plan:  # the residency check is over once the request went out
+            time.sleep(0.01)
+        with open(path, "rb") as f:
+            f.seek(16 * MiB)
+            f.read(10 * MiB)
+        took = []
+        for tensor in small:
+            start = time.monotonic()
+            assert ticket.wait_for_read(tensor.tensor, timeout=60) == "read"
+            took.append(time.monotonic() - start)
+            ticket.took(tensor.tensor, 0.001)
+        ticket.cancel()
+        client.close()
+    assert all(t > 0.08 for t in took), took
+
+
 def learned_state(state: Path, path: Path, bytes_per_s: float) -> Path:
     """A state directory in which a daemon learned ``bytes_per_s`` for ``path``'s mount."""
     state.mkdir(mode=0o700)

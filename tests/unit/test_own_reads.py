@@ -154,3 +154,58 @@ def test_a_ticket_hints_what_it_tells_the_loader_to_read_cold(tmp_path: Path) ->
     ticket._mark([0], 1)  # nothing pending: nothing more to hint, its descriptor goes
     assert open_fds() == before - 1
     assert ticket._own_reads is None
+
+
+def test_a_hint_says_how_much_of_the_tensor_was_not_in_the_page_cache(tmp_path: Path) -> None:
+    """The share of a tensor's pages not cached as its read begins: what the rank's own
+    read brings from storage (Ticket.took counts only that), not what the daemon brought
+    already without reporting the tensor warm yet."""
+    path = cold_file(tmp_path / "ckpt.safetensors", 16 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(3 * MiB)], 4 * MiB)  # 3 MiB of the tensor's 4 already read
+        tensors = [(0, 4 * MiB, 4 * MiB, 4 * MiB, 1, 0), (0, 12 * MiB, MiB, MiB, 1, 1)]
+        reads = OwnReads(request([str(path)], tensors))
+        share = reads.hint(0)
+        if share is None:
+            pytest.skip("cachestat(2) refused here")
+        assert share == pytest.approx(0.25, abs=0.01)
+        assert reads.hint(1) == 1.0  # cold throughout
+        assert reads.hint(1) == 0.0  # hinted just now: in the page cache, or being read
+        reads.close()
+        assert reads.hint(0) is None  # the request ended: nothing hinted, nothing known
+    finally:
+        os.close(fd)
+
+
+def test_a_long_tensor_on_a_small_window_is_read_in_order(tmp_path: Path) -> None:
+    """On FUSE (128 KiB windows) each hinted window is a request of the rank's descriptor
+    in flight: 64 of them for an 8 MiB tensor, served in any order, each out-of-order one
+    a seek to a network file system. A tensor of more than a few windows is hinted by
+    its first; the loader's reads stream the rest through the kernel's read-ahead."""
+    from bench.slowfs import fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "ckpt.safetensors").write_bytes(os.urandom(16 * MiB))
+    # A slow stream (8 MiB in 0.25 s), so that requests sent at once are in flight at once.
+    with mount(source, tmp_path / "mnt", stream_bytes_per_s=32 * MiB) as fs:
+        window = fs.read_ahead_kb * 2**10
+        assert 8 * MiB // window > 16  # else this mount shows nothing
+        path = fs.path("ckpt.safetensors")
+        reads = OwnReads(request([str(path)], [(0, 4 * MiB, 8 * MiB, 8 * MiB, 1, 0)]))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapping:
+                reads.hint(0)
+                _ = mapping[4 * MiB : 12 * MiB]  # the loader's read: every page faulted in
+        finally:
+            os.close(fd)
+            reads.close()
+        stats = fs.stats()
+    counts = stats["files"]["ckpt.safetensors"]
+    assert 8 * MiB <= counts["bytes"] <= 8 * MiB + 2 * window
+    assert counts["seeks"] <= 2  # the first request on each descriptor: the hint's, the loader's
+    assert stats["max_in_flight"] <= 4

@@ -155,6 +155,8 @@ class Ticket:
         self._skipped = 0
         # This rank's own reads of tensors that were not warm (see took): the last few.
         self._cold: set[int] = set()  # told to read it itself, not yet timed
+        # Of those, the share not in the page cache as the read began (OwnReads.hint).
+        self._cold_share: dict[int, float] = {}
         self._own_samples: collections.deque[tuple[int, float]] = collections.deque(
             maxlen=_BEHIND_WINDOW
         )
@@ -216,7 +218,10 @@ class Ticket:
         if outcome == "read" and i in self._cold and own_reads is not None:
             # Outside the lock: a busy device can hold the hint up, and the stream thread
             # must go on marking tensors ready meanwhile. (hint() raises nothing.)
-            own_reads.hint(i)
+            cold = own_reads.hint(i)
+            if cold is not None:
+                with self._cond:
+                    self._cold_share[i] = cold
         return outcome
 
     def _wait_for_read(self, i: int, timeout: float | None) -> str:
@@ -330,7 +335,8 @@ class Ticket:
         streams among many, far below what a rank gets where the storage is fast. (Only
         ever lower: using the rank's own rate where it is slower, too, did not change
         the emulated cross-region loads, measured, and one request's reads of a slow
-        mount would lengthen its waits on a fast one.)"""
+        mount would lengthen its waits on a fast one.) Only the tensor's share not in the
+        page cache as the read began counts as read (:meth:`OwnReads.hint`)."""
         i = self._index.get(name)
         if i is None or i not in self._cold:
             return  # as below, without the lock: a resident load calls this per tensor
@@ -338,7 +344,10 @@ class Ticket:
             if i not in self._cold or not seconds > 0:
                 return
             self._cold.discard(i)
-            self._own_samples.append((int(self._cold_bytes[i]), seconds))
+            # Only the bytes the read itself brought in: what the daemon brought already
+            # (or was bringing) took the rank no storage time.
+            cold = self._cold_bytes[i] * self._cold_share.pop(i, 1.0)
+            self._own_samples.append((int(cold), seconds))
             nbytes = sum(b for b, _ in self._own_samples)
             if len(self._own_samples) >= _OWN_SAMPLES and nbytes >= _OWN_BYTES:
                 self._own_bytes = nbytes

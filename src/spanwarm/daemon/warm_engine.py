@@ -146,7 +146,8 @@ class WarmEngine:
 
         Returns the bytes warmed (the sum of the range lengths). Raises FileChangedError
         when the file is shorter than a range, before or during the I/O; other OSErrors
-        (EIO ...) propagate unchanged.
+        (EIO ...) propagate unchanged. ``fd`` is expected to be ``POSIX_FADV_RANDOM``, as
+        the daemon's streams are, and is left so.
         """
         total = 0
         for start, stop in ranges:
@@ -218,23 +219,33 @@ class WarmEngine:
         # window around it, and a page carrying a read-ahead mark another reader left
         # the 8-16 MiB after it, bytes nobody asked for. Where the window is smaller than
         # the piece, the kernel's read-ahead streams it: faults with read-around and
-        # asynchronous read-ahead, a window or two in flight, in order, and at most about
-        # a window past the piece's end (0.1-1% more bytes on the emulated mounts).
-        # Hinting the windows here instead was slower on the emulated cross-region mount,
-        # measured: 8 ahead of the populate, 2-5% slower loads and ranks reading 10-50
-        # tensors themselves instead of 1-2; a streamed front and the last two windows
-        # exact, the daemon alone 12% slower; all windows at once, 64 requests of one
-        # descriptor served out of order, seeks (1.7x the time).
+        # asynchronous read-ahead, a window or two in flight, in order, with the
+        # descriptor FADV_SEQUENTIAL meanwhile (which doubles its window: on FUSE 256 KiB
+        # requests, half as many, each a round trip through the file system's server;
+        # the daemon alone warmed the emulated mounts' node plan 20% sooner). That reads
+        # at most 2-3 of the device's windows past each run (1-2% more bytes on the
+        # emulated mounts). Hinting the windows here instead was slower on the emulated
+        # cross-region mount, measured: 8 ahead of the populate, 2-5% slower loads and
+        # ranks reading 10-50 tensors themselves instead of 1-2; a streamed front and
+        # the last two windows exact, the daemon alone 12% slower; all windows at once,
+        # 64 requests of one descriptor served out of order, seeks (1.7x the time).
         start = off - off % PAGE
         length = end - start
-        os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
-        with mapped(fd, start, length) as addr:
-            if end - off <= window:
-                if length > window:  # a page more than the window: the cut left the last
-                    os.posix_fadvise(fd, start + window, length - window, os.POSIX_FADV_WILLNEED)
+        if end - off <= window:
+            os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
+            if length > window:  # a page more than the window: the cut left out the last
+                os.posix_fadvise(fd, start + window, length - window, os.POSIX_FADV_WILLNEED)
+            with mapped(fd, start, length) as addr:
                 err = populate(addr, length)
-            else:
-                err = madvise(addr, length, MADV_POPULATE_READ)
+        else:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            try:
+                os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
+                with mapped(fd, start, length) as addr:
+                    err = madvise(addr, length, MADV_POPULATE_READ)
+            finally:  # back to the caller's FADV_RANDOM (NORMAL first resets the window)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         if err == errno.EFAULT and os.fstat(fd).st_size < end:
             raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS
         if err:

@@ -15,7 +15,9 @@ after another on a freshly evicted page cache, interleaved per repetition:
   plan's runs (the local ranks' spans through the cost model at the seek cost the daemon
   plans with on the mount) read by the best raw reader of the same mount, with no daemon
   and no loader: as many streams as the daemon has workers, a fresh descriptor per
-  operation, operations of the daemon's chunk size.
+  operation, operations of the daemon's chunk size, read with read-ahead doubled
+  (``FADV_SEQUENTIAL``) where the device's window is smaller than an operation, as the
+  daemon streams such a piece, else exactly (``FADV_RANDOM``).
 
 Before the measured runs, one ``spanwarm`` load (not measured) is the node's first on the
 mount: the daemon learns the mount's throughput from it and, once idle, probes its seek

@@ -8,14 +8,16 @@ import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.memory_map import map_range, unmap
 from spanwarm.residency import evict
 
-__all__ = ["cold_file", "pinned", "running_daemon"]
+__all__ = ["cold_file", "fuse_file", "pinned", "running_daemon"]
 
 
 running_daemon = spawn_daemon
@@ -31,6 +33,22 @@ def cold_file(path: Path, size: int, *, seed: int = 0) -> Path:
         os.fsync(f.fileno())
     evict(path)
     return path
+
+
+@contextlib.contextmanager
+def fuse_file(tmp_path: Path, name: str, size: int, **knobs: Any) -> Iterator[tuple[Any, Path]]:
+    """A file of ``size`` random bytes on an emulated FUSE mount (``bench.slowfs``; ``knobs``
+    override its preset's): the mount and the file's path there. Skips the test where FUSE
+    is not available."""
+    from bench.slowfs import fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / name).write_bytes(os.urandom(size))
+    with mount(source, tmp_path / "mnt", **knobs) as fs:
+        yield fs, fs.path(name)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from spanwarm.client.client import Ticket
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.residency import PAGE, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2
-from tests.daemon_harness import cold_file
+from tests.daemon_harness import cold_file, fuse_file
 
 MiB = 2**20
 
@@ -183,18 +183,13 @@ def test_a_long_tensor_on_a_small_window_is_read_in_order(tmp_path: Path) -> Non
     in flight: 64 of them for an 8 MiB tensor, served in any order, each out-of-order one
     a seek to a network file system. A tensor of more than a few windows is hinted by
     its first; the loader's reads stream the rest through the kernel's read-ahead."""
-    from bench.slowfs import fuse_available, mount
-
-    if (reason := fuse_available()) is not None:
-        pytest.skip(reason)
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "ckpt.safetensors").write_bytes(os.urandom(16 * MiB))
     # A slow stream (8 MiB in 0.25 s), so that requests sent at once are in flight at once.
-    with mount(source, tmp_path / "mnt", stream_bytes_per_s=32 * MiB) as fs:
+    with fuse_file(tmp_path, "ckpt.safetensors", 16 * MiB, stream_bytes_per_s=32 * MiB) as (
+        fs,
+        path,
+    ):
         window = fs.read_ahead_kb * 2**10
         assert 8 * MiB // window > 16  # else this mount shows nothing
-        path = fs.path("ckpt.safetensors")
         reads = OwnReads(request([str(path)], [(0, 4 * MiB, 8 * MiB, 8 * MiB, 1, 0)]))
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -26,6 +26,7 @@ from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
 from spanwarm.read_ahead import hint_window
 from spanwarm.residency import PAGE, evict, resident_bytes
+from tests.daemon_harness import fuse_file
 
 MiB = 2**20
 LOSS = 0.005
@@ -367,17 +368,9 @@ def test_populate_on_a_mount_with_a_small_window_reads_whole_windows(tmp_path: P
     piece, on a descriptor made FADV_SEQUENTIAL meanwhile (twice the window a request:
     half as many round trips to the file system's server): nothing before the piece, a
     few windows after it at most, and the descriptor FADV_RANDOM again afterwards."""
-    from bench.slowfs import fuse_available, mount
-
-    if (reason := fuse_available()) is not None:
-        pytest.skip(reason)
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "f.bin").write_bytes(os.urandom(16 * MiB))
-    with mount(source, tmp_path / "mnt") as fs:
+    with fuse_file(tmp_path, "f.bin", 16 * MiB) as (fs, path):
         window = fs.read_ahead_kb * 2**10
         assert window < 8 * MiB  # else this mount shows nothing
-        path = fs.path("f.bin")
         assert hint_window(os.stat(path).st_dev) == window
         evict(path)
         fd = os.open(path, os.O_RDONLY)
@@ -406,18 +399,9 @@ def test_populate_keeps_a_streams_requests_few_and_in_order(tmp_path: Path) -> N
     network file system each out-of-order request is a seek. Hinting 8 windows ahead of
     the populate kept them in order but 9-10 in flight. The kernel's read-ahead, which
     the engine leaves such a piece to, keeps one or two, in order."""
-    from bench.slowfs import fuse_available, mount
-
-    if (reason := fuse_available()) is not None:
-        pytest.skip(reason)
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "f.bin").write_bytes(os.urandom(8 * MiB))
     # A slow stream (8 MiB in 0.25 s), so that requests sent at once are in flight at once.
-    with mount(source, tmp_path / "mnt", stream_bytes_per_s=32 * MiB) as fs:
-        window = fs.read_ahead_kb * 2**10
-        assert 8 * MiB // window > 16  # else this mount shows nothing
-        path = fs.path("f.bin")
+    with fuse_file(tmp_path, "f.bin", 8 * MiB, stream_bytes_per_s=32 * MiB) as (fs, path):
+        assert 8 * MiB // (fs.read_ahead_kb * 2**10) > 16  # else this mount shows nothing
         _populate_cold(path, 8 * MiB)
         stats = fs.stats()
     assert stats["files"]["f.bin"]["bytes"] == 8 * MiB  # the file ends there

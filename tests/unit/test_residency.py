@@ -434,8 +434,21 @@ def test_sampled_pages_preempted_by_a_busy_cpu_still_count_as_resident(tmp_path:
     page still counts as resident. A CPU hog shares this process's one CPU; the same
     resident page is read 60000 times to count the slow reads (some preempted), then
     sampled as many times. The old rule counted every slow read missing; now only those
-    slow for no preemption are (a VM's stolen time, interrupts: 0-5 of 15-29 here)."""
+    slow for no preemption are (a VM's stolen time, interrupts: 0-5 of 15-29 here, 11 of
+    18 once). Up to three tries: the old rule fails every one of them, and a VM that
+    steals time during one try does not fail the test."""
     path = write_file(tmp_path / "f.bin", 2 * PAGE)
+    tries = [_preempted_samples(path) for _ in range(3)]
+    shared = [(missing, slow) for missing, slow in tries if slow >= 12]
+    if not shared:
+        pytest.skip(f"(missing, slow) {tries} of 60000 reads: the hog barely shared the CPU")
+    assert any(missing * 2 <= slow for missing, slow in shared), tries
+
+
+def _preempted_samples(path: Path) -> tuple[int, int]:
+    """With a CPU hog on this process's CPU: how many of 60000 reads of a resident page
+    were slow, and how many of as many samples of it ``sampled_resident`` took for
+    missing."""
     fd = os.open(path, os.O_RDONLY)
     before = os.sched_getaffinity(0)
     cpu = min(before)
@@ -459,9 +472,7 @@ def test_sampled_pages_preempted_by_a_busy_cpu_still_count_as_resident(tmp_path:
         hog.kill()
         hog.wait()
         os.close(fd)
-    if slow < 12:
-        pytest.skip(f"{slow} of {reads} reads slow: the hog barely shared the CPU")
-    assert int((~resident).sum()) * 2 <= slow, (int((~resident).sum()), slow)
+    return int((~resident).sum()), slow
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")

@@ -154,9 +154,9 @@ class Ticket:
         self._waits: collections.deque[bool] = collections.deque(maxlen=_BEHIND_WINDOW)
         self._skipped = 0
         # This rank's own reads of tensors that were not warm (see took): the last few.
-        self._cold: set[int] = set()  # told to read it itself, not yet timed
-        # Of those, the share not in the page cache as the read began (OwnReads.hint).
-        self._cold_share: dict[int, float] = {}
+        # Told to read it itself, not yet timed -> the share of it not in the page cache
+        # as the read began (OwnReads.hint; 1.0 where not known).
+        self._cold: dict[int, float] = {}
         self._own_samples: collections.deque[tuple[int, float]] = collections.deque(
             maxlen=_BEHIND_WINDOW
         )
@@ -221,7 +221,8 @@ class Ticket:
             cold = own_reads.hint(i)
             if cold is not None:
                 with self._cond:
-                    self._cold_share[i] = cold
+                    if i in self._cold:
+                        self._cold[i] = cold
         return outcome
 
     def _wait_for_read(self, i: int, timeout: float | None) -> str:
@@ -254,22 +255,22 @@ class Ticket:
                         own = self._cold_bytes[i] * self._own_seconds / self._own_bytes
                         bound = min(bound, own)
                     if bound < _WORTH_WAITING_S and not waited:
-                        self._cold.add(i)
+                        self._cold[i] = 1.0
                         return "read"  # sooner read than waited for (a begun wait ends below)
                     if bound != np.inf and not waited:
                         if self._daemon_slower(i, bound):
-                            self._cold.add(i)
+                            self._cold[i] = 1.0
                             return "read"  # at the daemon's pace so far, it comes later
                         waited = True
                         if self._daemon_behind():
-                            self._cold.add(i)
+                            self._cold[i] = 1.0
                             return "read"  # it has not been ahead of this rank: read now
                     yours = start + bound
                     now = time.monotonic()
                     if now >= min(yours, limit):
                         if yours <= limit:
                             self._waits.append(False)
-                            self._cold.add(i)
+                            self._cold[i] = 1.0
                             return "read"
                         return "timeout"
                     until = min(yours, limit)
@@ -343,10 +344,9 @@ class Ticket:
         with self._cond:
             if i not in self._cold or not seconds > 0:
                 return
-            self._cold.discard(i)
             # Only the bytes the read itself brought in: what the daemon brought already
             # (or was bringing) took the rank no storage time.
-            cold = self._cold_bytes[i] * self._cold_share.pop(i, 1.0)
+            cold = self._cold_bytes[i] * self._cold.pop(i)
             self._own_samples.append((int(cold), seconds))
             nbytes = sum(b for b, _ in self._own_samples)
             if len(self._own_samples) >= _OWN_SAMPLES and nbytes >= _OWN_BYTES:

@@ -232,9 +232,10 @@ class WarmEngine:
         start = off - off % PAGE
         length = end - start
         if end - off <= window:
-            os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
-            if length > window:  # a page more than the window: the cut left out the last
-                os.posix_fadvise(fd, start + window, length - window, os.POSIX_FADV_WILLNEED)
+            # From the first page on, in pieces of the window: an unaligned piece of a
+            # window's bytes spans a page more, which one hint's cut would leave out.
+            for at in range(start, end, window):
+                os.posix_fadvise(fd, at, min(window, end - at), os.POSIX_FADV_WILLNEED)
             with mapped(fd, start, length) as addr:
                 err = populate(addr, length)
         else:

@@ -59,16 +59,26 @@ def test_each_group_gets_its_own_spans_rows_or_envelope() -> None:
             [
                 (1, 500, 100, 100, 1, 2),  # one span
                 (0, 0, 10, 10, 4, 0),  # contiguous rows: one range
-                (0, 1000, 10, 100, 3, 0),  # strided, few rows: row by row
+                (0, 100_000, 10, 10_000, 3, 0),  # strided, few rows pages apart: row by row
                 (1, 0, 8, 16, 1000, 1),  # strided, many rows: its envelope
                 (0, 7, 0, 0, 1, 2),  # empty: nothing
+                (0, 0, 1024, PAGE, 100, 3),  # rows a page apart: every page, so the envelope
+                (0, 10 * PAGE, 100, 3 * PAGE // 2, 4, 4),  # rows in touching pages: joined
+                (0, 15 * PAGE + 8, 100, 100, 1, 4),  # a span in the next page: joined
             ],
         )
     )
-    assert reads.ranges(0) == [(0, 0, 40), (0, 1000, 1010), (0, 1100, 1110), (0, 1200, 1210)]
+    rows = [(0, 100_000, 100_010), (0, 110_000, 110_010), (0, 120_000, 120_010)]
+    assert reads.ranges(0) == [(0, 0, 40), *rows]
     assert reads.ranges(1) == [(1, 0, 999 * 16 + 8)]  # the envelope: twice its bytes
     assert reads.ranges(2) == [(1, 500, 600)]
-    assert reads.ranges(3) == reads.ranges(-1) == []  # not in the request
+    assert reads.ranges(3) == [(0, 0, 99 * PAGE + 1024)]
+    # Rows 1.5 pages apart: pages 10, 11, 13, 14 hold them; 12 is not read, so not hinted.
+    assert reads.ranges(4) == [
+        (0, 10 * PAGE, 11 * PAGE + PAGE // 2 + 100),
+        (0, 13 * PAGE, 15 * PAGE + 108),
+    ]
+    assert reads.ranges(5) == reads.ranges(-1) == []  # not in the request
 
 
 def test_a_hint_never_reads_much_more_than_the_tensor_nor_too_much_at_once() -> None:
@@ -204,3 +214,26 @@ def test_a_long_tensor_on_a_small_window_is_read_in_order(tmp_path: Path) -> Non
     assert 8 * MiB <= counts["bytes"] <= 8 * MiB + 2 * window
     assert counts["seeks"] <= 2  # the first request on each descriptor: the hint's, the loader's
     assert stats["max_in_flight"] <= 4
+
+
+def test_a_slice_of_short_rows_is_hinted_in_whole_windows(tmp_path: Path) -> None:
+    """A tensor split by columns is rows shorter than a page, each in a page of its own.
+    Hinted row by row, each page was a request of its own (162 round trips for one TP
+    slice of the end-to-end benchmark on FUSE); its pages are a few windows."""
+    rows = 256
+    with fuse_file(tmp_path, "ckpt.safetensors", 4 * MiB) as (fs, path):
+        window = fs.read_ahead_kb * 2**10
+        reads = OwnReads(request([str(path)], [(0, MiB + 512, 1024, PAGE, rows, 0)]))
+        before = fs.stats()["requests"]
+        share = reads.hint(0)
+        reads.close()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # Every page of the slice arrives: the hint's, not the loader's reads.
+            assert settled_residency(fd, MiB, rows * PAGE, rows * PAGE) == rows * PAGE
+        finally:
+            os.close(fd)
+        stats = fs.stats()
+    assert share == 1.0
+    assert stats["requests"] - before <= -(-rows * PAGE // window) + 1
+    assert stats["files"]["ckpt.safetensors"]["bytes"] == rows * PAGE

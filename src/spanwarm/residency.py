@@ -105,7 +105,13 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
 
 def resident_pages(fd: int, start: int, length: int) -> np.ndarray:
     """Per page of ``[start, start + length)`` of open file ``fd`` (``start`` page-aligned):
-    1 where the page is in the page cache, else 0 (pages past the end of the file: 0)."""
+    1 where the page is in the page cache, else 0 (pages past the end of the file: 0).
+
+    A range ``cachestat`` finds wholly absent is not mapped: a mapping's mmap and munmap
+    take the process's mmap lock for writing, which stalls every other thread's
+    populate and mincore meanwhile (the daemon checks each cold piece before reading it)."""
+    if length > 0 and cached_pages(fd, start, length) == 0:
+        return np.zeros((length + PAGE - 1) // PAGE, dtype=np.uint8)
     with mapped(fd, start, length) as addr:
         return np.frombuffer(mincore(addr, length), dtype=np.uint8) & 1
 

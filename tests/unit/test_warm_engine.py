@@ -19,6 +19,7 @@ from spanwarm.daemon import warm_engine
 from spanwarm.daemon.warm_engine import (
     WarmEngine,
     WarmMethod,
+    bad_pages,
     default_method,
     populate_supported,
 )
@@ -407,3 +408,52 @@ def test_populate_keeps_a_streams_requests_few_and_in_order(tmp_path: Path) -> N
     assert stats["files"]["f.bin"]["bytes"] == 8 * MiB  # the file ends there
     assert stats["files"]["f.bin"]["seeks"] == 1  # the first request only
     assert stats["max_in_flight"] <= 4
+
+
+def _mappings_of(path: Path) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip("\n").endswith(str(path)))
+
+
+@pytest.mark.skipif(not populate_supported(), reason="no MADV_POPULATE_READ")
+def test_an_operation_maps_its_range_once_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The daemon warms an operation piece by piece (to stop between pieces). Each piece
+    mapped and unmapped on its own took the process's mmap lock for writing twice, which
+    stalls every other worker's populate; an operation maps its range once, streams it
+    as one, and unmaps it and sets the descriptor back to FADV_RANDOM at its end, also
+    when a piece fails (narrowing the failure down then reads page by page)."""
+    from bench.slowfs import Fault
+
+    bad = 7 * MiB + 8192  # past what the first operation's read-ahead reaches
+    with fuse_file(tmp_path, "f.bin", 16 * MiB, faults=[Fault("f.bin", bad, PAGE)]) as (fs, path):
+        window = fs.read_ahead_kb * 2**10
+        evict(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as the daemon opens files
+            engine = WarmEngine(WarmMethod.POPULATE)
+            with engine.operation(fd, MiB, 6 * MiB) as operation:
+                for start in range(MiB, 6 * MiB, MiB):
+                    operation.warm(start, start + MiB)
+                    assert _mappings_of(path) == 1
+            assert _mappings_of(path) == 0
+            assert_resident(fd, MiB, 6 * MiB)
+            stream = fs.stats()["files"]["f.bin"]
+            with engine.operation(fd, 7 * MiB, 8 * MiB) as operation:
+                with pytest.raises(OSError, match="MADV_POPULATE_READ"):  # EFAULT: it says no more
+                    operation.warm(7 * MiB, 8 * MiB)
+                # FADV_RANDOM again at once: two reads in a row read only their bytes.
+                before = fs.stats()["files"]["f.bin"]["bytes"]
+                os.pread(fd, 64 * 2**10, 12 * MiB)
+                os.pread(fd, 64 * 2**10, 12 * MiB + 64 * 2**10)
+                assert fs.stats()["files"]["f.bin"]["bytes"] - before == 128 * 2**10
+                assert [(b.start, b.stop) for b in bad_pages(fd, 7 * MiB, 8 * MiB)] == [
+                    (bad, bad + PAGE)
+                ]
+            assert _mappings_of(path) == 0
+        finally:
+            os.close(fd)
+    # Five pieces, one stream: its first request the only seek.
+    assert stream["seeks"] == 1
+    assert 5 * MiB <= stream["bytes"] <= 5 * MiB + 4 * window
+    assert stream["requests"] <= 5 * MiB // (2 * window) + 4

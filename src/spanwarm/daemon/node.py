@@ -1003,7 +1003,8 @@ class Node:
             outcome.done = time.monotonic()
             outcome.pieces = [(a, b, outcome.done) for a, b in ranges]
             return outcome
-        with file.stream() as fd:
+        lo, hi = min(a for a, _ in ranges), max(b for _, b in ranges)
+        with file.stream() as fd, self.engine.operation(fd, lo, hi) as operation:
             for start, stop in self._pieces(ranges):
                 # Stop between pieces when asked to make way, when no live request
                 # names the file any more (its requests were cancelled), or when the
@@ -1021,7 +1022,7 @@ class Node:
                     continue
                 io_before = self.engine.io_seconds()
                 try:
-                    self.engine.warm(fd, [(start, stop)])
+                    operation.warm(start, stop)
                 except FileChangedError:
                     raise
                 except OSError:

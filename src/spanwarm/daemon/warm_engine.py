@@ -10,6 +10,7 @@ one WILLNEED call (the device read-ahead window) counts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import errno
 import functools
@@ -18,11 +19,11 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from spanwarm.errors import FileChangedError
-from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
+from spanwarm.memory_map import MADV_POPULATE_READ, madvise, map_range, mapped, unmap
 from spanwarm.read_ahead import hint_window
 from spanwarm.residency import PAGE, residency_trusted, resident_bytes
 
@@ -30,6 +31,7 @@ __all__ = [
     "BadRange",
     "WarmEngine",
     "WarmMethod",
+    "WarmOperation",
     "bad_pages",
     "default_method",
     "populate_supported",
@@ -154,30 +156,27 @@ class WarmEngine:
             if start < 0 or stop < start:
                 raise ValueError(f"ranges: [{start}, {stop}) is not a byte range")
             total += stop - start
-        st = os.fstat(fd)
-        size = st.st_size
-        for start, stop in ranges:
-            if stop > size and stop > start:
-                raise FileChangedError(
-                    _fd_name(fd),
-                    f"range [{start}, {stop}) ends past the end of the file ({size} bytes)",
-                    offset=max(start, size),
-                )
-        if self.method is WarmMethod.HINT:
-            began = time.perf_counter()
-            throttled = self._throttled_s()
-            self._warm_hinted(fd, self._pieces(ranges))
-            self._add_io(time.perf_counter() - began - (self._throttled_s() - throttled))
-        else:
-            warm_piece: Callable[[int, int, int], None] = self._read
-            if self.method is WarmMethod.POPULATE:
-                warm_piece = functools.partial(self._populate, window=hint_window(st.st_dev))
-            for off, end in self._pieces(ranges):
-                began = time.perf_counter()
-                warm_piece(fd, off, end)
-                self._add_io(time.perf_counter() - began)
-                self._done(end - off)
+        if not total:
+            return 0
+        lo = min(a for a, b in ranges if b > a)
+        hi = max(b for a, b in ranges if b > a)
+        with self.operation(fd, lo, hi) as operation:
+            for start, stop in ranges:
+                operation.check(start, stop)
+            for start, stop in ranges:
+                operation.warm(start, stop)
         return total
+
+    @contextlib.contextmanager
+    def operation(self, fd: int, lo: int, hi: int) -> Iterator[WarmOperation]:
+        """One warm operation on ``fd`` (``POSIX_FADV_RANDOM``, left so) within ``[lo,
+        hi)``: what its pieces share (the file's size and device window; for populate,
+        one mapping and the descriptor's advice) is set up once, not per piece."""
+        operation = WarmOperation(self, fd, lo, hi)
+        try:
+            yield operation
+        finally:
+            operation.close()
 
     def io_seconds(self) -> float:
         """Seconds this thread has spent in the storage's reads (throttle sleeps excluded)."""
@@ -211,46 +210,6 @@ class WarmEngine:
         if wait > 0:
             time.sleep(wait)
             self._local.throttled_s = self._throttled_s() + wait
-
-    def _populate(self, fd: int, off: int, end: int, *, window: int) -> None:
-        # One hint first (the kernel cuts a WILLNEED to the device's ``window``: 8 MiB on
-        # this VM's disk, 128 KiB on FUSE). Where it covers the piece, the populate runs
-        # under MADV_RANDOM (memory_map.populate): a fault's read-around would read a
-        # window around it, and a page carrying a read-ahead mark another reader left
-        # the 8-16 MiB after it, bytes nobody asked for. Where the window is smaller than
-        # the piece, the kernel's read-ahead streams it: faults with read-around and
-        # asynchronous read-ahead, a window or two in flight, in order, with the
-        # descriptor FADV_SEQUENTIAL meanwhile (which doubles its window: on FUSE 256 KiB
-        # requests, half as many, each a round trip through the file system's server;
-        # the daemon alone warmed the emulated mounts' node plan 20% sooner). That reads
-        # at most 2-3 of the device's windows past each run (1-2% more bytes on the
-        # emulated mounts). Hinting the windows here instead was slower on the emulated
-        # cross-region mount, measured: 8 ahead of the populate, 2-5% slower loads and
-        # ranks reading 10-50 tensors themselves instead of 1-2; a streamed front and
-        # the last two windows exact, the daemon alone 12% slower; all windows at once,
-        # 64 requests of one descriptor served out of order, seeks (1.7x the time).
-        start = off - off % PAGE
-        length = end - start
-        if end - off <= window:
-            # From the first page on, in pieces of the window: an unaligned piece of a
-            # window's bytes spans a page more, which one hint's cut would leave out.
-            for at in range(start, end, window):
-                os.posix_fadvise(fd, at, min(window, end - at), os.POSIX_FADV_WILLNEED)
-            with mapped(fd, start, length) as addr:
-                err = populate(addr, length)
-        else:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            try:
-                os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
-                with mapped(fd, start, length) as addr:
-                    err = madvise(addr, length, MADV_POPULATE_READ)
-            finally:  # back to the caller's FADV_RANDOM (NORMAL first resets the window)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        if err == errno.EFAULT and os.fstat(fd).st_size < end:
-            raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS
-        if err:
-            raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
 
     def _read(self, fd: int, off: int, end: int) -> None:
         buf: memoryview | None = getattr(self._local, "buf", None)
@@ -300,6 +259,129 @@ class WarmEngine:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
+
+
+class WarmOperation:
+    """The pieces of one warm operation (:meth:`WarmEngine.operation`), warmed in order.
+
+    With populate, a piece longer than the device's read-ahead window (FUSE's 128 KiB)
+    is streamed by the kernel's read-ahead, with the descriptor ``POSIX_FADV_SEQUENTIAL``
+    for the rest of the operation, and a shorter one is read exactly, under
+    ``MADV_RANDOM`` (see :meth:`_populate`). Each kind has one mapping of the operation's
+    range, made on its first piece: an mmap and a munmap per piece took the process's
+    mmap lock for writing twice a piece, stalling every other worker's populate, and
+    advice set and reset per piece cost four calls; the daemon alone warmed the emulated
+    cross-region mount's node plan 4% sooner without them.
+    """
+
+    def __init__(self, engine: WarmEngine, fd: int, lo: int, hi: int) -> None:
+        st = os.fstat(fd)
+        self.engine, self.fd, self.size = engine, fd, st.st_size
+        self.window = hint_window(st.st_dev)
+        self._base = lo - lo % PAGE
+        self._length = max(hi - self._base, PAGE)
+        self._maps: dict[bool, int] = {}  # streamed? -> address of the operation's mapping
+        self._sequential = False  # the descriptor is FADV_SEQUENTIAL until close
+        self._streamed_to = -1  # where the last streamed piece ended
+
+    def check(self, start: int, stop: int) -> None:
+        """Raise FileChangedError where ``[start, stop)`` ends past the file's end."""
+        if stop > self.size and stop > start:
+            raise FileChangedError(
+                _fd_name(self.fd),
+                f"range [{start}, {stop}) ends past the end of the file ({self.size} bytes)",
+                offset=max(start, self.size),
+            )
+
+    def warm(self, start: int, stop: int) -> None:
+        """Warm ``[start, stop)`` (inside the operation's range), cut at multiples of the
+        engine's chunk. On an error the descriptor is ``POSIX_FADV_RANDOM`` again, for
+        :func:`bad_pages` to narrow the failure down page by page."""
+        if not self._base <= start <= stop <= self._base + self._length:
+            raise ValueError(f"[{start}, {stop}) is outside the operation's range")
+        self.check(start, stop)
+        engine = self.engine
+        pieces = engine._pieces([(start, stop)])
+        if engine.method is WarmMethod.HINT:
+            began = time.perf_counter()
+            throttled = engine._throttled_s()
+            engine._warm_hinted(self.fd, pieces)
+            engine._add_io(time.perf_counter() - began - (engine._throttled_s() - throttled))
+            return
+        try:
+            for off, end in pieces:
+                began = time.perf_counter()
+                if engine.method is WarmMethod.POPULATE:
+                    self._populate(off, end)
+                else:
+                    engine._read(self.fd, off, end)
+                engine._add_io(time.perf_counter() - began)
+                engine._done(end - off)
+        except BaseException:
+            self._random()
+            raise
+
+    def close(self) -> None:
+        for addr in self._maps.values():
+            unmap(addr, self._length)
+        self._maps.clear()
+        self._random()
+
+    def _random(self) -> None:
+        """Back to the caller's FADV_RANDOM (NORMAL first resets the window)."""
+        if self._sequential:
+            self._sequential = False
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_NORMAL)
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def _mapping(self, streamed: bool) -> int:
+        addr = self._maps.get(streamed)
+        if addr is None:
+            addr = map_range(self.fd, self._base, self._length)
+            if not streamed:
+                madvise(addr, self._length, mmap.MADV_RANDOM)
+            self._maps[streamed] = addr
+        return addr
+
+    def _populate(self, off: int, end: int) -> None:
+        # One hint first (the kernel cuts a WILLNEED to the device's ``window``: 8 MiB on
+        # this VM's disk, 128 KiB on FUSE). Where it covers the piece, the populate runs
+        # under MADV_RANDOM: a fault's read-around would read a window around it, and a
+        # page carrying a read-ahead mark another reader left the 8-16 MiB after it,
+        # bytes nobody asked for. Where the window is smaller than the piece, the
+        # kernel's read-ahead streams it: faults with read-around and asynchronous
+        # read-ahead, a window or two in flight, in order, with the descriptor
+        # FADV_SEQUENTIAL meanwhile (which doubles its window: on FUSE 256 KiB requests,
+        # half as many, each a round trip through the file system's server; the daemon
+        # alone warmed the emulated mounts' node plan 20% sooner). That reads at most
+        # 2-3 of the device's windows past each run (1-2% more bytes on the emulated
+        # mounts). Hinting the windows here instead was slower on the emulated
+        # cross-region mount, measured: 8 ahead of the populate, 2-5% slower loads and
+        # ranks reading 10-50 tensors themselves instead of 1-2; a streamed front and
+        # the last two windows exact, the daemon alone 12% slower; all windows at once,
+        # 64 requests of one descriptor served out of order, seeks (1.7x the time).
+        fd, window = self.fd, self.window
+        start = off - off % PAGE
+        length = end - start
+        streamed = end - off > window
+        if not streamed:
+            # From the first page on, in pieces of the window: an unaligned piece of a
+            # window's bytes spans a page more, which one hint's cut would leave out.
+            for at in range(start, end, window):
+                os.posix_fadvise(fd, at, min(window, end - at), os.POSIX_FADV_WILLNEED)
+        else:
+            if not self._sequential:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self._sequential = True
+            if off != self._streamed_to:  # else the stream's read-ahead is ahead already
+                os.posix_fadvise(fd, off, end - off, os.POSIX_FADV_WILLNEED)
+            self._streamed_to = end
+        addr = self._mapping(streamed) + (start - self._base)
+        err = madvise(addr, length, MADV_POPULATE_READ)
+        if err == errno.EFAULT and os.fstat(fd).st_size < end:
+            raise _past_end(fd, off)  # the page past EOF would have been a SIGBUS
+        if err:
+            raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
 
 
 @dataclass(frozen=True, slots=True)

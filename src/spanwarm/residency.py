@@ -79,12 +79,18 @@ def cached_pages(fd: int, start: int, length: int) -> int | None:
     return None
 
 
-def resident_bytes(fd: int, offset: int, length: int) -> int:
+def resident_bytes(fd: int, offset: int, length: int, *, counted: bool = False) -> int:
     """Bytes of ``[offset, offset + length)`` of open file ``fd`` that are in the page cache.
 
     A partly covered first or last page counts for the bytes of the range it holds, so a
     fully resident range gives exactly ``length``. Bytes past the end of the file are never
     resident. ``fd`` must be open for reading.
+
+    ``counted``: where ``cachestat`` finds pages of the range missing, its count is the
+    answer (pages still being read included, short of ``length``), with no page looked
+    at: for a reader that only reads what is not wholly resident (the daemon, before each
+    piece: the piece its stream's read-ahead has begun is partly in, and a mapping for
+    mincore took the process's mmap lock for writing twice a piece).
     """
     if offset < 0 or length < 0:
         raise ValueError(f"offset and length must be >= 0, got {offset} and {length}")
@@ -92,6 +98,11 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
     if end <= offset:
         return 0
     start = offset - offset % PAGE
+    if counted:
+        pages = (end - start + PAGE - 1) // PAGE
+        cached = cached_pages(fd, start, pages * PAGE)
+        if cached is not None and cached < pages:
+            return min(cached * PAGE, end - offset - 1)
     bits = resident_pages(fd, start, end - start)
     pages = len(bits)
     resident = int(bits.sum()) * PAGE

@@ -130,6 +130,25 @@ def test_a_read_range_is_resident_to_the_byte(cold: tuple[Path, int]) -> None:
     assert resident_bytes(fd, 5 * PAGE, PAGE) == 0
 
 
+def test_a_counted_answer_is_the_range_only_where_every_page_is_resident(
+    cold: tuple[Path, int],
+) -> None:
+    """``counted``: where pages of the range are missing, cachestat's count, short of the
+    range; the range exactly where every page is there (then looked at page by page)."""
+    _, fd = cold
+    os.pread(fd, 3 * PAGE, PAGE)  # pages 1, 2 and 3
+    assert resident_bytes(fd, PAGE, 3 * PAGE, counted=True) == 3 * PAGE
+    assert resident_bytes(fd, PAGE + 5, 10, counted=True) == 10
+    assert resident_bytes(fd, 0, 5 * PAGE, counted=True) == 3 * PAGE
+    assert resident_bytes(fd, 2 * PAGE, 2 * PAGE + 1, counted=True) == 2 * PAGE
+    assert resident_bytes(fd, 5 * PAGE, MiB, counted=True) == 0
+    # Two bytes across the end of page 3: one page of two counted, yet short of the range.
+    assert resident_bytes(fd, 4 * PAGE - 1, 2, counted=True) == 1
+    # Past the end of the file: never the whole range, as without counting.
+    os.pread(fd, 100, 8 * MiB)
+    assert resident_bytes(fd, 8 * MiB, 3 * PAGE, counted=True) < 3 * PAGE
+
+
 def test_the_partial_tail_page_and_bytes_past_the_end(cold: tuple[Path, int]) -> None:
     _, fd = cold
     size = os.fstat(fd).st_size

@@ -1015,7 +1015,9 @@ class Node:
                     or (cell.read_first and not cell.waiters)
                 ):
                     break
-                resident = resident_bytes(fd, start, stop - start) if file.trusted else 0
+                resident = (
+                    resident_bytes(fd, start, stop - start, counted=True) if file.trusted else 0
+                )
                 if resident == stop - start:
                     outcome.verified += resident
                     outcome.pieces.append((start, stop, time.monotonic()))

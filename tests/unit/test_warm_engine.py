@@ -263,6 +263,17 @@ def test_empty_ranges_warm_nothing(cold_file: ColdFile) -> None:
     assert resident_bytes(fd, 0, MiB) == 0
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_empty_ranges_beside_others_are_passed_over(
+    cold_file: ColdFile, method: WarmMethod
+) -> None:
+    _, fd = cold_file(4 * MiB)
+    engine = WarmEngine(method)
+    assert engine.warm(fd, [(0, 0), (MiB, 2 * MiB), (3 * MiB + 5, 3 * MiB + 5)]) == MiB
+    assert_resident(fd, MiB, 2 * MiB)
+    assert resident_bytes(fd, 2 * MiB, 2 * MiB) <= 16 * PAGE
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -164,7 +164,8 @@ class WarmEngine:
             for start, stop in ranges:
                 operation.check(start, stop)
             for start, stop in ranges:
-                operation.warm(start, stop)
+                if stop > start:
+                    operation.warm(start, stop)
         return total
 
     @contextlib.contextmanager
@@ -270,8 +271,9 @@ class WarmOperation:
     ``MADV_RANDOM`` (see :meth:`_populate`). Each kind has one mapping of the operation's
     range, made on its first piece: an mmap and a munmap per piece took the process's
     mmap lock for writing twice a piece, stalling every other worker's populate, and
-    advice set and reset per piece cost four calls; the daemon alone warmed the emulated
-    cross-region mount's node plan 4% sooner without them.
+    advice set and reset per piece cost four calls; without them (and without a mapping
+    for each piece's residency check) the daemon alone warmed the emulated cross-region
+    mount's node plan 3.6% sooner.
     """
 
     def __init__(self, engine: WarmEngine, fd: int, lo: int, hi: int) -> None:

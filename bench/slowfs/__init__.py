@@ -53,6 +53,14 @@ requests delayed by a Hang.
     with mount(src, mnt, faults=[Fault("model.safetensors", 8192, 4096)]) as fs:
         os.pread(fd, 4096, 8192)  # OSError: [Errno 5] EIO; pages 0, 1 and 3 read fine
 
+With a trace file (``mount(..., trace=PATH)``, ``--trace PATH``), every served read request
+is also written there as one JSON line: when it arrived and when it was answered
+(monotonic seconds, comparable with the caller's ``time.monotonic()``), the thread id
+of the process that sent it as the kernel reports it (for read-ahead, whoever started
+it), the file, the open handle, the offset and the size. Which process of a load sends
+which requests, in what order: the single-page requests a rank's hints sent for a
+column slice were found so.
+
 The filesystem itself runs in a child process (``python -m bench.slowfs``), so that its
 threads and sleeps never compete with the benchmark's own interpreter.
 """
@@ -336,8 +344,11 @@ class SlowFSOperations(_Operations):
         *,
         faults: Iterable[Fault] = (),
         hangs: Iterable[Hang] = (),
+        trace: Path | None = None,
     ) -> None:
         self._source = source.resolve()
+        # Line-buffered, appended to under the lock: one whole line per request.
+        self._trace = None if trace is None else trace.open("a", buffering=1)
         self._preset = preset
         self._faults: dict[str, list[Fault]] = {}
         for fault in faults:
@@ -465,6 +476,8 @@ class SlowFSOperations(_Operations):
             data = os.pread(handle.fd, size, offset)
             with self._lock:
                 done = self._charge(handle, offset, len(data), arrival)
+                if self._trace is not None:
+                    self._trace_request(arrival, done, fi.fh, handle.name, offset, len(data))
             delay = done - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -472,6 +485,17 @@ class SlowFSOperations(_Operations):
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+    def _trace_request(
+        self, arrival: float, done: float, fh: int, name: str, offset: int, size: int
+    ) -> None:
+        """One line of the trace file (lock held)."""
+        import mfusepy  # the server's module is loaded already: no cost
+
+        assert self._trace is not None
+        tid = mfusepy.fuse_get_context()[2]
+        record = {"arrival": arrival, "done": done, "tid": tid, "file": name, "handle": fh}
+        self._trace.write(json.dumps({**record, "offset": offset, "size": size}) + "\n")
 
     def _count(self, handle: _Handle, counter: str) -> None:
         with self._lock:
@@ -536,14 +560,15 @@ def serve(
     hangs: Iterable[Hang] = (),
     debug: bool = False,
     allow_other: bool = False,
+    trace: Path | None = None,
 ) -> None:
     """Mount ``source`` at ``mountpoint`` and serve in the foreground until unmounted
     (``allow_other``: other users may use the mount, with the kernel checking the files'
-    permissions; root only)."""
+    permissions; root only; ``trace``: a file each read request is logged to)."""
     import mfusepy  # here, not at the top: only the server needs libfuse
 
     mfusepy.FUSE(
-        SlowFSOperations(source, preset, faults=faults, hangs=hangs),
+        SlowFSOperations(source, preset, faults=faults, hangs=hangs, trace=trace),
         str(mountpoint),
         raw_fi=True,
         foreground=True,
@@ -595,6 +620,7 @@ def mount(
     read_ahead_kb: int | None = None,
     timeout_s: float = _MOUNT_TIMEOUT_S,
     allow_other: bool = False,
+    trace: Path | None = None,
     **overrides: float | None,
 ) -> Iterator[SlowFS]:
     """Mount ``source`` read-only at ``mountpoint`` (created if missing) in a child process.
@@ -604,6 +630,7 @@ def mount(
     or hang (see :class:`Fault`, :class:`Hang`). ``read_ahead_kb`` replaces the kernel's
     readahead window for the mount (128 KiB by default; root only), which bounds the size
     of read requests. ``allow_other`` lets other users in (files' modes apply; root only).
+    ``trace``: a file each served read request is appended to (see the module docstring).
     Yields once the mount is live; unmounts and reaps the child on exit, lazily if files
     inside are still open (a read hung then fails with EIO or ENOTCONN).
     """
@@ -632,6 +659,7 @@ def mount(
         *(f"--fault={fault.to_arg()}" for fault in faults),
         *(f"--hang={hang.to_arg()}" for hang in hangs),
         *(["--allow-other"] if allow_other else []),
+        *([f"--trace={trace.resolve()}"] if trace is not None else []),
     ]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="let other users use the mount (file modes apply; root only)",
     )
+    parser.add_argument(
+        "--trace", type=Path, help="append each served read request to this file (JSON lines)"
+    )
     args = vars(parser.parse_args(argv))
     overrides = {name: args.pop(name) for name in _KNOBS if name in args}
     preset = resolve_preset(args["preset"], **overrides)
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         hangs=args["hangs"],
         debug=args["debug"],
         allow_other=args["allow_other"],
+        trace=args["trace"],
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import random
 import re
@@ -370,3 +371,25 @@ def test_short_flags_and_bad_values() -> None:
     for text in ("m.bin", "m.bin:-1", "m.bin:nan", "m.bin:1:0", "m.bin:1:0:0", "m.bin:1:-1:end"):
         with pytest.raises(ValueError, match=r"got|could not convert"):
             Hang.parse(text)
+
+
+def test_a_trace_names_each_request_and_who_sent_it(source: Path, tmp_path: Path) -> None:
+    (source / "t.bin").write_bytes(os.urandom(4 * MiB))
+    trace = tmp_path / "trace.jsonl"
+    with mount(source, tmp_path / "mnt", trace=trace) as fs:
+        path = fs.path("t.bin")
+        evict(path)
+        before = time.monotonic()
+        with _opened(path) as fd:  # readahead off: one request per read
+            assert len(os.pread(fd, 2 * PAGE, MiB)) == 2 * PAGE
+            assert len(os.pread(fd, PAGE, 3 * MiB)) == PAGE
+        stats = fs.stats()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == stats["requests"] == 2
+    assert [(r["file"], r["offset"], r["size"]) for r in lines] == [
+        ("t.bin", MiB, 2 * PAGE),
+        ("t.bin", 3 * MiB, PAGE),
+    ]
+    assert {r["tid"] for r in lines} == {threading.get_native_id()}  # this thread sent both
+    assert lines[0]["handle"] == lines[1]["handle"]  # one descriptor
+    assert before <= lines[0]["arrival"] <= lines[0]["done"] <= lines[1]["arrival"]

@@ -42,7 +42,7 @@ from spanwarm.client import Client
 from spanwarm.integrations.dcp import DcpLoad, PrefetchReader
 from spanwarm.residency import evict
 from tests.integration.rank_exit import exit_rank
-from tests.integration.read_recorder import RecordingFile, reads
+from tests.integration.read_recorder import RecordingFile, reads, touched
 
 SAVED: dict[str, tuple[list[Placement], tuple[int, ...], torch.dtype]] = {
     "layers.0.shard_shard": ([Shard(0), Shard(1)], (130, 70), torch.float32),
@@ -150,6 +150,7 @@ def result(load: DcpLoad | None, state: dict[str, Any], full: Any, log: Warnings
     progress = load.ticket.progress if load else None
     return {
         "reads": dict(reads),
+        "touched": dict(touched),
         "requested": requested,
         "requested_order": list(dict.fromkeys(s.tensor for s in load.spans)) if load else [],
         "mismatched": compare(state, full),
@@ -166,6 +167,7 @@ def run_case(
 ) -> None:
     drop_cache(directory)
     reads.clear()
+    touched.clear()
     log = Warnings()
     logging.getLogger("spanwarm").addHandler(log)
     try:

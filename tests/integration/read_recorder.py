@@ -4,11 +4,15 @@
 index the loader reads it with, and ``get_tensor`` logs the whole tensor. The indices
 become byte ranges here with numpy and the file's own header. ``reads`` maps each file
 to its ``(start, stop)`` byte ranges; ``read_order`` lists tensors by first read.
+``touched`` maps each file to the bytes a slice faults in besides those: safetensors 0.8
+views the whole stored tensor and reads its first byte, so each sliced tensor's first
+page (its bytes there) is read whatever the index.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from typing import Any
@@ -16,13 +20,14 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-__all__ = ["RecordingFile", "read_order", "reads"]
+__all__ = ["RecordingFile", "read_order", "reads", "touched"]
 
 _ITEMSIZE = {
     **{"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1},
     **{"F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1},
 }
 reads: dict[str, list[tuple[int, int]]] = {}
+touched: dict[str, list[tuple[int, int]]] = {}
 read_order: list[str] = []  # tensors in the order of their first read
 
 
@@ -42,6 +47,7 @@ class RecordingSlice:
         self.shape = entry["shape"]
         self.itemsize = _ITEMSIZE[entry["dtype"]]
         self.base = data_start + entry["data_offsets"][0]
+        self.end = data_start + entry["data_offsets"][1]
 
     def __getitem__(self, index: Any) -> Any:
         if self.name not in read_order:
@@ -59,6 +65,8 @@ class RecordingSlice:
             flat = flat + (np.asarray(r, dtype=np.int64) * stride).reshape(axis)
         elements = np.unique(flat.ravel())
         if elements.size:
+            page_end = self.base - self.base % mmap.PAGESIZE + mmap.PAGESIZE
+            touched.setdefault(self.path, []).append((self.base, min(page_end, self.end)))
             breaks = np.flatnonzero(np.diff(elements) != 1)
             starts = elements[np.r_[0, breaks + 1]]
             stops = elements[np.r_[breaks, elements.size - 1]] + 1

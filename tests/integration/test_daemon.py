@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.residency import PAGE, evict, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from spanwarm.safetensors_header import read_header
 from tests.daemon_harness import cold_file, pinned, running_daemon
@@ -561,19 +561,26 @@ def test_request_spans_warms_a_ranks_dtensor_slices(tmp_path: Path) -> None:
         mesh = init_device_mesh("cpu", (4,))
         meta = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
         state = {"w": distribute_tensor(meta, mesh, [Shard(0)], src_data_rank=None)}
-        with running_daemon("--method", "read") as daemon:
+        with running_daemon("--method", "read", "--seek-cost", "0") as daemon:
             client = Client(daemon.socket, read_yourself=False)
             ticket = client.request_spans(state, path, job="job-a")
             assert ticket.wait(timeout=30)
             data_start = read_header(path).data_start
             mine = resident(path, data_start + 4 * MiB, 4 * MiB)
             others = resident(path, data_start + 10 * MiB, 6 * MiB)
+            # safetensors' get_slice faults in the tensor's first page whatever rows it
+            # copies: asked for and warmed too, and nothing around it.
+            first_page = resident(path, data_start, 1)  # 1: its page is in
+            between = resident(path, data_start + 64 * 2**10, 3 * MiB)
             client.close()
     finally:
         dist.destroy_process_group()
     assert ticket.progress.ready == 1
-    assert ticket.plan[0]["needed_bytes"] == 4 * MiB
+    touch = PAGE - data_start % PAGE  # the tensor's bytes in the page of its first byte
+    assert ticket.plan[0]["needed_bytes"] == 4 * MiB + touch
     assert mine >= 4 * MiB * 0.995
+    assert first_page == 1
+    assert between == 0
     assert others <= 6 * MiB * 0.05
 
 

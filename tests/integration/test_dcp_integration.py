@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.integration.test_transformers_integration import _intervals, _uncovered
+from tests.integration.test_transformers_integration import PAGE, _intervals, _pages, _uncovered
 from tests.integration.torchrun import RANKS, run_ranks
 
 WORKER = Path(__file__).with_name("dcp_rank.py")
@@ -46,13 +46,17 @@ def _result(root: Path, case: str, rank: int) -> dict[str, Any]:
 
 
 def _covered(result: dict[str, Any]) -> tuple[int, int]:
-    """(bytes read, bytes requested), asserting every read byte was requested."""
+    """(bytes read, bytes requested), asserting every read byte was requested, and some
+    byte of each page a safetensors slice faults in at its tensor's first byte."""
     read_bytes = requested_bytes = 0
     for path in set(result["reads"]) | set(result["requested"]):
         reads = _intervals(result["reads"].get(path, []))
         requested = _intervals(result["requested"].get(path, []))
         assert _uncovered(reads, requested) == 0, path
-        read_bytes += int((reads[:, 1] - reads[:, 0]).sum())
+        touched = result.get("touched", {}).get(path, [])
+        assert {start // PAGE for start, _ in touched} <= _pages(requested), path
+        faulted = _intervals([*result["reads"].get(path, []), *touched])
+        read_bytes += int((faulted[:, 1] - faulted[:, 0]).sum())
         requested_bytes += int((requested[:, 1] - requested[:, 0]).sum())
     return read_bytes, requested_bytes
 

@@ -42,7 +42,7 @@ from spanwarm.client import Client
 from spanwarm.residency import evict
 from tests.integration.dcp_rank import Warnings, record_native_reads, result
 from tests.integration.rank_exit import exit_rank
-from tests.integration.read_recorder import RecordingFile, reads
+from tests.integration.read_recorder import RecordingFile, reads, touched
 
 
 class Tiny(nn.Module):
@@ -125,6 +125,7 @@ def main(out: Path, socket: str) -> None:
                     evict(path)
         dist.barrier()
         reads.clear()
+        touched.clear()
         tiny = model(mesh, None)
         log = Warnings()
         logging.getLogger("spanwarm").addHandler(log)

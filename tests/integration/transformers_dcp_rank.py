@@ -27,7 +27,7 @@ from spanwarm.client import Client
 from spanwarm.integrations.dcp import DcpLoad
 from spanwarm.residency import evict
 from tests.integration.rank_exit import exit_rank
-from tests.integration.read_recorder import RecordingFile, reads
+from tests.integration.read_recorder import RecordingFile, reads, touched
 
 SAVED_WITH: dict[str, Any] = {"tp_size": 2, "fsdp_size": 2}
 LOADED_WITH: dict[str, dict[str, Any]] = {"tp4": {"tp_size": 4}, "fsdp4": {"fsdp_size": 4}}
@@ -61,6 +61,7 @@ def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) ->
                 evict(path)
         dist.barrier()
         reads.clear()
+        touched.clear()
         log = Warnings()
         logging.getLogger("spanwarm").addHandler(log)
         before = len(prefetch.loads)
@@ -86,6 +87,7 @@ def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) ->
             "loads": len(records),
             "dcp": isinstance(record, DcpLoad),
             "reads": dict(reads),
+            "touched": dict(touched),
             "requested": requested,
             "mismatched": mismatched,
             "compared": len(model.state_dict()),

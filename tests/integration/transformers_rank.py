@@ -29,7 +29,7 @@ from transformers import DistributedConfig, modeling_utils
 import spanwarm.integrations.transformers as spanwarm_tf
 from spanwarm.client import Client
 from tests.integration.rank_exit import exit_rank
-from tests.integration.read_recorder import RecordingFile, read_order, reads
+from tests.integration.read_recorder import RecordingFile, read_order, reads, touched
 
 
 class Warnings(logging.Handler):
@@ -43,6 +43,7 @@ class Warnings(logging.Handler):
 
 def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) -> None:
     reads.clear()
+    touched.clear()
     read_order.clear()
     saved_env = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
@@ -69,6 +70,7 @@ def run_case(case: dict[str, Any], out: Path, prefetch: spanwarm_tf.Prefetch) ->
         )
     result = {
         "reads": reads,
+        "touched": touched,
         "read_order": read_order,
         "requested_order": list(dict.fromkeys(s.tensor for s in load.spans)),
         "requested": requested,

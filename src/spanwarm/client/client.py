@@ -34,12 +34,14 @@ import grpc
 import numpy as np
 
 from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint, grant
+from spanwarm.client.first_pages import with_first_pages
 from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
 from spanwarm.client.residency_check import ResidencyCheck, distinct, resident_files
 from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
+from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["Client", "Progress", "Ticket", "message_dict"]
@@ -668,17 +670,21 @@ class Client:
         conversions: Sequence[Conversion] = (),
         unmatched: Literal["warm", "skip"] = "warm",
     ) -> Ticket:
-        """Ask the daemon to warm what this rank will read of ``checkpoint``; returns at once."""
+        """Ask the daemon to warm what this rank will read of ``checkpoint`` (safetensors
+        files, sliced with ``get_slice``: each sliced tensor's first page is asked for too,
+        see :mod:`.first_pages`); returns at once."""
         if self.disabled:
             return self._released([])
         try:
+            ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
             spans = rank_spans(
                 state_dict,
-                checkpoint,
+                ckpt,
                 key_map=key_map,
                 conversions=conversions,
                 unmatched=unmatched,
             )
+            spans = with_first_pages(spans, ckpt)
         except Exception as exc:  # a prefetch problem must never fail the load
             logger.warning("spanwarm: cannot compute spans (%s); loading without prefetch", exc)
             return self._released([])

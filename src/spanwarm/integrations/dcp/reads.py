@@ -10,7 +10,8 @@ key of the reader's ``storage_data``) and the box of it to copy (``storage_offse
   chunk share its bytes.
 - ``HuggingFaceStorageReader``: the chunk is the tensor named ``fqn`` in the file
   ``_HFStorageInfo.relative_path``; ``safe_open(...).get_slice(fqn)[box]`` reads exactly
-  the box's elements (the safetensors header says where the tensor starts).
+  the box's elements (the safetensors header says where the tensor starts), and the page
+  of the tensor's first byte (:mod:`spanwarm.client.first_pages`).
 - ``QuantizedHuggingFaceStorageReader``: the same, and for a weight with a scale (its
   ``_weight_scale_mapping``) the whole scale tensor, from the weight's file or from the
   one the index names; an MXFP4 ``_blocks`` box widens to whole groups of dim 2.
@@ -31,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from spanwarm.client.first_pages import first_page_span
 from spanwarm.errors import CheckpointError
 from spanwarm.safetensors_header import Header, TensorInfo, read_header
 from spanwarm.tensor_layout import TensorSpans, tensor_spans
@@ -220,7 +222,12 @@ def _safetensors(reader: Any, kind: str, per_file: dict[str, list[Any]]) -> Plan
                 (a, b) = box[2]
                 box = [box[0], box[1], (a // per_group, -(-b // per_group)), (0, tensor.shape[3])]
             try:
-                out.spans.extend(_box_spans(group, header, tensor, box))
+                spans = _box_spans(group, header, tensor, box)
+                if spans:  # get_slice faults in the tensor's first page: asked for too
+                    begin, end = header.file_offset(tensor), header.data_start + tensor.end
+                    lowest = min(s.offset for s in spans)
+                    touch = first_page_span(group, header.path, begin, end, lowest)
+                    out.spans.extend([touch, *spans] if touch else spans)
                 if quantized:
                     out.spans.extend(_scale_spans(reader, group, fqn, path, files))
             except ValueError as exc:

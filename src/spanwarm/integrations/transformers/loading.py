@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spanwarm.client.client import Client
+from spanwarm.client.first_pages import with_first_pages
 from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.transformers.routing import REQUIRED, load_spans
 from spanwarm.safetensors_header import open_checkpoint
@@ -146,12 +147,13 @@ def _load_spans(
             for t in sorted(header.tensors, key=lambda t: t.begin)
             for s in stored_tensor_spans(t.name, [(header, t)], None)
         ]
-    return load_spans(
+    spans = load_spans(
         model,
         checkpoint,
         getattr(load_config, "weight_mapping", None),
         by_target=_reads_by_target(load_config),
     )
+    return with_first_pages(spans, checkpoint)  # each slice faults its tensor's first page
 
 
 _state = threading.local()

@@ -3,10 +3,11 @@
     .venv/bin/python bench/bench_end_to_end.py [--mounts local,cross-region] [--reps 3]
 
 A synthetic MoE + dense checkpoint (packed experts, or one tensor per expert) in 10
-shards; a job of 4 nodes x 2 local ranks, whose 2 local ranks (node 0) run here as
-processes with meta DTensors: TP x FSDP (2x4 mesh) for attention and embeddings, EP over
-8 ranks for the experts. Each rank loads its own slices through safetensors. Arms, one
-after another on a freshly evicted page cache, interleaved per repetition:
+shards; a job of 4 nodes x 2 local ranks, whose 2 local ranks (node 0, or ``--node N``)
+run here as processes with meta DTensors: TP x FSDP (2x4 mesh) for attention and
+embeddings, EP over 8 ranks for the experts. Each rank loads its own slices through
+safetensors. Arms, one after another on a freshly evicted page cache, interleaved per
+repetition:
 
 - (a) ``none``: no prefetch;
 - (b) ``whole``: the seed's base PR, ``files[local_rank::local_world]`` read fully, then load;
@@ -245,13 +246,15 @@ def run_local_ranks(
     extra: tuple[str, ...] = (),
     stderr: int | None = None,
     cold: bool = True,
+    first_rank: int = 0,
 ) -> dict[str, Any]:
-    """One arm on node 0: evict, run ``script`` as its ``local_world`` ranks started together
-    at a file barrier, and measure. Each rank prints a JSON line ending with ``start`` and
-    ``total_s``; those lines come back as ``results``, with the wall time from the first
-    start to the last finish, bytes read from storage, peak page cache and node plan
-    (not sampled unless ``cold``: with every byte resident there is nothing to see, and
-    the sampling's CPU, the daemon's Status calls under spanwarm, would be in the walls)."""
+    """One arm on a node (its ranks from ``first_rank`` on): evict, run ``script`` as its
+    ``local_world`` ranks started together at a file barrier, and measure. Each rank prints
+    a JSON line ending with ``start`` and ``total_s``; those lines come back as
+    ``results``, with the wall time from the first start to the last finish, bytes read
+    from storage, peak page cache and node plan (not sampled unless ``cold``: with every
+    byte resident there is nothing to see, and the sampling's CPU, the daemon's Status
+    calls under spanwarm, would be in the walls)."""
     for path in paths if cold else ():
         evict(path)
     barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
@@ -265,7 +268,7 @@ def run_local_ranks(
                         sys.executable,
                         str(HERE / script),
                         str(checkpoint),
-                        *("--arm", arm, "--rank", str(r), "--local-rank", str(r)),
+                        *("--arm", arm, "--rank", str(first_rank + r), "--local-rank", str(r)),
                         *("--local-world", str(local_world), "--world", str(world)),
                         *("--barrier", str(barrier), "--socket", socket, *extra),
                     ],
@@ -293,17 +296,18 @@ def run_local_ranks(
     }
 
 
-def node_runs(checkpoint: Path, seek_cost: int) -> list[tuple[str, int, int]]:
+def node_runs(checkpoint: Path, seek_cost: int, node: int = 0) -> list[tuple[str, int, int]]:
     """The node plan's runs, (path, start, stop): the local ranks' spans, computed by
     e2e_rank.py as the spanwarm arm requests them, through the cost model."""
     spans = []
-    for rank in range(LOCAL_WORLD):
+    ranks = [node * LOCAL_WORLD + r for r in range(LOCAL_WORLD)]
+    for local, rank in enumerate(ranks):
         out = subprocess.run(
             [
                 sys.executable,
                 str(HERE / "e2e_rank.py"),
                 str(checkpoint),
-                *("--arm", "spans", "--rank", str(rank), "--local-rank", str(rank)),
+                *("--arm", "spans", "--rank", str(rank), "--local-rank", str(local)),
                 *("--local-world", str(LOCAL_WORLD), "--world", str(WORLD)),
                 *("--barrier", "-", "--experts", str(EXPERTS)),
             ],
@@ -316,8 +320,8 @@ def node_runs(checkpoint: Path, seek_cost: int) -> list[tuple[str, int, int]]:
     plan = plan_node_spans(
         open_checkpoint(checkpoint),
         spans,
-        node=0,
-        ranks=list(range(LOCAL_WORLD)),
+        node=node,
+        ranks=ranks,
         seek_cost=seek_cost,
     )
     return [(f.path, a, b) for f in plan.files for a, b in f.runs.pairs()]
@@ -382,6 +386,7 @@ def run_arm(
     *,
     cold: bool = True,
     rank_args: tuple[str, ...] = (),
+    node: int = 0,
 ) -> dict[str, Any]:
     run = run_local_ranks(
         "e2e_rank.py",
@@ -394,6 +399,7 @@ def run_arm(
         local_world=LOCAL_WORLD,
         extra=("--experts", str(EXPERTS), *rank_args),
         cold=cold,
+        first_rank=node * LOCAL_WORLD,
     )
     results = run.pop("results")
     warm = [r["warm_s"] for r in results if r.get("warm_s") is not None]
@@ -450,7 +456,14 @@ def touch_every_page(paths: list[Path]) -> None:
 
 
 def warm_cache(
-    reps: int, checkpoint: Path, paths: list[Path], socket: str, fs: Any, *, in_place: bool
+    reps: int,
+    checkpoint: Path,
+    paths: list[Path],
+    socket: str,
+    fs: Any,
+    *,
+    in_place: bool,
+    node: int = 0,
 ) -> dict[str, float]:
     """none and spanwarm with every byte already resident (nothing evicted, every page read
     again right before each arm): what spanwarm costs when there is nothing to gain."""
@@ -464,7 +477,9 @@ def warm_cache(
             # Alternated: whichever runs second finds what the first left (its pages
             # touched again, the daemon's threads warm), and must not always be spanwarm.
             rank_args = ("--in-place",) if in_place else ()
-            run = run_arm(arm, checkpoint, paths, socket, fs, cold=False, rank_args=rank_args)
+            run = run_arm(
+                arm, checkpoint, paths, socket, fs, cold=False, rank_args=rank_args, node=node
+            )
             walls[arm] = run["wall_s"]
             if arm == "spanwarm":
                 requests.append(max(run["request_s"]))
@@ -579,6 +594,13 @@ def main() -> None:
     parser.add_argument(
         "--daemon-args", default="", help="extra `spanwarm serve` flags, e.g. '--method read'"
     )
+    parser.add_argument(
+        "--node",
+        type=int,
+        default=0,
+        choices=range(WORLD // LOCAL_WORLD),
+        help="which node's ranks run (0 holds every tensor's first rows; 1 holds none)",
+    )
     args = parser.parse_args()
     command = "python bench/bench_end_to_end.py " + " ".join(sys.argv[1:])
     lines = [f"\n## End to end: the seed's scenario\n\n```console\n{command}\n```"]
@@ -595,19 +617,22 @@ def main() -> None:
                 spawn_daemon("--log-level", "warning", *args.daemon_args.split()) as daemon,
             ):
                 mounted_paths = sorted(checkpoint.glob("*.safetensors"))
-                run_arm("spanwarm", checkpoint, mounted_paths, daemon.socket, fs)  # the first
+                # The first load: the daemon learns the mount (its seek cost probe).
+                run_arm("spanwarm", checkpoint, mounted_paths, daemon.socket, fs, node=args.node)
                 seek_cost = probed_seek_cost(
                     daemon.socket, mounted_paths[0], args.daemon_args.split()
                 )
                 print(f"  {preset}: seek cost {format_bytes(seek_cost)}", flush=True)
-                limit_runs = node_runs(checkpoint, seek_cost)
+                limit_runs = node_runs(checkpoint, seek_cost, args.node)
                 runs = []
                 for rep in range(args.reps):
                     for arm in rng.sample(ARMS, len(ARMS)):
                         if arm == "limit":
                             result = run_limit(limit_runs, mounted_paths, fs)
                         else:
-                            result = run_arm(arm, checkpoint, mounted_paths, daemon.socket, fs)
+                            result = run_arm(
+                                arm, checkpoint, mounted_paths, daemon.socket, fs, node=args.node
+                            )
                         runs.append(result)
                         print(
                             f"  {preset} rep {rep} {arm}: {result['wall_s']:.2f} s, "
@@ -627,6 +652,7 @@ def main() -> None:
                     daemon.socket,
                     fs,
                     in_place=args.resident_load == "in-place",
+                    node=args.node,
                 )
             label = (
                 f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}` "

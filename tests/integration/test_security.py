@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -332,15 +333,29 @@ def test_a_user_who_may_only_read_a_checkpoint_still_skips_what_is_resident(
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         assert len(os.pread(fd, 4 * 2**20, 0)) == 4 * 2**20  # the first tensor resident
-        # Kept mapped while the rank looks: idle unmapped pages here are reclaimed within
-        # seconds, and one of the pages it samples gone would make the tensor cold.
+        # Kept mapped and read while the rank looks: idle pages here are reclaimed within
+        # seconds, and one of the pages it samples gone would make the tensor cold. Under
+        # MADV_RANDOM: a page faulted in again brings no read-around of the cold tensor.
         first = mmap.mmap(fd, 4 * 2**20, prot=mmap.PROT_READ)
+        first.madvise(mmap.MADV_RANDOM)
     finally:
         os.close(fd)
     tensors = [(str(path), 0, 4 * 2**20), (str(path), 4 * 2**20, 4 * 2**20)]
+    looking = threading.Event()
+
+    def keep_accessed() -> None:
+        while not looking.wait(0.05):
+            _ = first[::PAGE]  # a byte of each page read through the mapping
+
+    keeper = threading.Thread(target=keep_accessed, daemon=True)
     with first, group_daemon(area) as daemon:
-        _ = first[::PAGE]  # a byte of each page read through the mapping: each one mapped
-        result = as_user(ALICE, "rank_load", socket=daemon.socket, tensors=tensors)
+        _ = first[::PAGE]
+        keeper.start()
+        try:
+            result = as_user(ALICE, "rank_load", socket=daemon.socket, tensors=tensors)
+        finally:
+            looking.set()
+            keeper.join()
     assert result["outcomes"] == ["read", "ready"]
     assert result["finished"]
     assert (result["resident"], result["ready"]) == (1, 1)

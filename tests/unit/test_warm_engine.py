@@ -443,14 +443,14 @@ def test_an_operation_maps_its_range_once_and_leaves_nothing_behind(tmp_path: Pa
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as the daemon opens files
             engine = WarmEngine(WarmMethod.POPULATE)
-            with engine.operation(fd, MiB, 6 * MiB) as operation:
+            with engine.operation(fd, [(MiB, 6 * MiB)]) as operation:
                 for start in range(MiB, 6 * MiB, MiB):
                     operation.warm(start, start + MiB)
                     assert _mappings_of(path) == 1
             assert _mappings_of(path) == 0
             assert_resident(fd, MiB, 6 * MiB)
             stream = fs.stats()["files"]["f.bin"]
-            with engine.operation(fd, 7 * MiB, 8 * MiB) as operation:
+            with engine.operation(fd, [(7 * MiB, 8 * MiB)]) as operation:
                 with pytest.raises(OSError, match="MADV_POPULATE_READ"):  # EFAULT: it says no more
                     operation.warm(7 * MiB, 8 * MiB)
                 # FADV_RANDOM again at once: two reads in a row read only their bytes.

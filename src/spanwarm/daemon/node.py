@@ -1003,9 +1003,7 @@ class Node:
             outcome.done = time.monotonic()
             outcome.pieces = [(a, b, outcome.done) for a, b in ranges]
             return outcome
-        lo = min((a for a, _ in ranges), default=0)
-        hi = max((b for _, b in ranges), default=lo)
-        with file.stream() as fd, self.engine.operation(fd, lo, hi) as operation:
+        with file.stream() as fd, self.engine.operation(fd, ranges) as operation:
             for start, stop in self._pieces(ranges):
                 # Stop between pieces when asked to make way, when no live request
                 # names the file any more (its requests were cancelled), or when the

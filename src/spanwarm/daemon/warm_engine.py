@@ -158,9 +158,7 @@ class WarmEngine:
             total += stop - start
         if not total:
             return 0
-        lo = min(a for a, b in ranges if b > a)
-        hi = max(b for a, b in ranges if b > a)
-        with self.operation(fd, lo, hi) as operation:
+        with self.operation(fd, ranges) as operation:
             for start, stop in ranges:
                 operation.check(start, stop)
             for start, stop in ranges:
@@ -169,10 +167,13 @@ class WarmEngine:
         return total
 
     @contextlib.contextmanager
-    def operation(self, fd: int, lo: int, hi: int) -> Iterator[WarmOperation]:
-        """One warm operation on ``fd`` (``POSIX_FADV_RANDOM``, left so) within ``[lo,
-        hi)``: what its pieces share (the file's size and device window; for populate,
-        one mapping and the descriptor's advice) is set up once, not per piece."""
+    def operation(self, fd: int, ranges: Sequence[tuple[int, int]]) -> Iterator[WarmOperation]:
+        """One warm operation on ``fd`` (``POSIX_FADV_RANDOM``, left so) of ``ranges``, its
+        pieces within their hull (empty ranges count nowhere): what the pieces share (the
+        file's size and device window; for populate, one mapping and the descriptor's
+        advice) is set up once, not per piece."""
+        lo = min((a for a, b in ranges if b > a), default=0)
+        hi = max((b for a, b in ranges if b > a), default=lo)
         operation = WarmOperation(self, fd, lo, hi)
         try:
             yield operation

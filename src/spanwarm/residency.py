@@ -98,12 +98,16 @@ def resident_bytes(fd: int, offset: int, length: int, *, counted: bool = False) 
     if end <= offset:
         return 0
     start = offset - offset % PAGE
+    cached = None
     if counted:
         pages = (end - start + PAGE - 1) // PAGE
         cached = cached_pages(fd, start, pages * PAGE)
         if cached is not None and cached < pages:
             return min(cached * PAGE, end - offset - 1)
-    bits = resident_pages(fd, start, end - start)
+    # Every page counted present: looked at with no second cachestat.
+    bits = (
+        _mincore_pages(fd, start, end - start) if cached else resident_pages(fd, start, end - start)
+    )
     pages = len(bits)
     resident = int(bits.sum()) * PAGE
     # Trim the parts of the first and last page that lie outside the range.
@@ -123,6 +127,11 @@ def resident_pages(fd: int, start: int, length: int) -> np.ndarray:
     populate and mincore meanwhile (the daemon checks each cold piece before reading it)."""
     if length > 0 and cached_pages(fd, start, length) == 0:
         return np.zeros((length + PAGE - 1) // PAGE, dtype=np.uint8)
+    return _mincore_pages(fd, start, length)
+
+
+def _mincore_pages(fd: int, start: int, length: int) -> np.ndarray:
+    """:func:`resident_pages` by ``mincore`` on a mapping of the range."""
     with mapped(fd, start, length) as addr:
         return np.frombuffer(mincore(addr, length), dtype=np.uint8) & 1
 

@@ -406,9 +406,7 @@ def test_touching_ranges_are_probed_as_one_run(tmp_path: Path) -> None:
 
 
 def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]) -> None:
-    _, fd = cold
-    os.pread(fd, 4 * MiB, 0)  # the first 4 MiB resident (FADV_RANDOM: nothing more)
-    os.posix_fadvise(fd, 3 * MiB, PAGE, os.POSIX_FADV_DONTNEED)  # but one page of it
+    path, fd = cold
     ranges = [
         (0, MiB),  # resident
         (MiB, 3 * MiB + 100),  # its last page missing
@@ -420,10 +418,23 @@ def test_sampled_residency_reads_from_the_page_cache_only(cold: tuple[Path, int]
     lo = np.array([a for a, _ in ranges])
     hi = np.array([b for _, b in ranges])
     later = time.monotonic() + 60
-    resident, misses, samples = sampled_resident(fd, lo, hi, misses=3, samples=100, deadline=later)
+    # A missing page's refused read starts reading it in, and behind a virtio disk the
+    # host's cache can answer within the call, under SLOW_SAMPLE_S: that page then is
+    # resident and counts so (CI saw it once in about 40 runs). Up to three tries, each
+    # on a freshly evicted file; any outcome but the one expected there fails.
+    for _ in range(3):
+        evict(path)
+        os.pread(fd, 4 * MiB, 0)  # the first 4 MiB resident (FADV_RANDOM: nothing more)
+        os.posix_fadvise(fd, 3 * MiB, PAGE, os.POSIX_FADV_DONTNEED)  # but one page of it
+        resident, misses, samples = sampled_resident(
+            fd, lo, hi, misses=3, samples=100, deadline=later
+        )
+        # First, last and one per 2 MiB; a miss ends one.
+        if (resident.tolist(), misses, samples) == ([True, False, True] + [False] * 3, 0, 92):
+            break
     assert resident.tolist() == [True, False, True, False, False, False]
     assert misses == 0
-    assert samples == 100 - (2 + 2 + 2 + 1 + 1)  # first, last and one per 2 MiB; a miss ends one
+    assert samples == 100 - (2 + 2 + 2 + 1 + 1)
     # A missing page is read in (one page each: FADV_RANDOM, in the background), and
     # nothing else.
     deadline = time.monotonic() + 5

@@ -46,7 +46,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from spanwarm import placements as model
 from spanwarm.client import Client, Ticket, rank_spans
-from spanwarm.client.first_pages import with_first_pages
 from spanwarm.client.rank_spans import model_placements
 from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 
@@ -175,7 +174,7 @@ def main() -> None:
     state = build_state_dict(checkpoint, dense, experts, args.experts)
     state_dict = {name: value for name, (value, _, _) in state.items()}
     if args.arm == "spans":  # for the limit arm: what this rank would request, and stop
-        spans = with_first_pages(rank_spans(state_dict, checkpoint, unmatched="skip"), checkpoint)
+        spans = rank_spans(state_dict, checkpoint, unmatched="skip", first_pages=True)
         print(json.dumps([[s.path, s.offset, s.length, s.stride, s.count] for s in spans]))
         dist.destroy_process_group()
         return

@@ -6,7 +6,7 @@ become byte ranges here with numpy and the file's own header. ``reads`` maps eac
 to its ``(start, stop)`` byte ranges; ``read_order`` lists tensors by first read.
 ``touched`` maps each file to the bytes a slice faults in besides those: safetensors 0.8
 views the whole stored tensor and reads its first byte, so each sliced tensor's first
-page (its bytes there) is read whatever the index.
+page (its bytes there) is read whatever the index, an empty one too.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ class RecordingSlice:
             axis[dim] = len(r)
             flat = flat + (np.asarray(r, dtype=np.int64) * stride).reshape(axis)
         elements = np.unique(flat.ravel())
-        if elements.size:
+        if self.end > self.base:  # an empty index too: the view reads the first byte
             page_end = self.base - self.base % mmap.PAGESIZE + mmap.PAGESIZE
             touched.setdefault(self.path, []).append((self.base, min(page_end, self.end)))
+        if elements.size:
             breaks = np.flatnonzero(np.diff(elements) != 1)
             starts = elements[np.r_[0, breaks + 1]]
             stops = elements[np.r_[breaks, elements.size - 1]] + 1

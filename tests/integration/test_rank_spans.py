@@ -83,6 +83,55 @@ def test_key_map_renames_and_drops(tmp_path: Path, rank1_of_4) -> None:  # type:
     ]
 
 
+def test_first_pages_name_what_each_slice_faults_in_an_empty_one_too(
+    tmp_path: Path,
+    rank1_of_4: DeviceMesh,
+) -> None:
+    """With first_pages, each tensor a rank slices gets the page of its first byte before
+    its spans: also where its box is empty (a [2, 4096] tensor over 4 ranks: ranks 2
+    and 3 slice it for nothing, and the slice still faults that page in), never for a
+    tensor read from its first byte."""
+    path = tmp_path / "m.safetensors"
+    save_file(
+        {"pad": torch.zeros(1000), "small": torch.zeros(2, 4096), "w": torch.zeros(8, 4096)},
+        str(path),
+    )
+    meta = {
+        name: distribute_tensor(
+            torch.empty(shape, device="meta"), rank1_of_4, [Shard(0)], src_data_rank=None
+        )
+        for name, shape in (("small", (2, 4096)), ("w", (8, 4096)))
+    }
+    row = 4096 * 4
+    pages = {}
+    for name in ("small", "w"):
+        begin, nbytes = whole(path, name)
+        first = min(4096 - begin % 4096, nbytes)
+        pages[name] = TensorSpans(name, str(path), begin, first, first, 1)
+    small, _ = whole(path, "small")
+    w, _ = whole(path, "w")
+    for rank, rows in (
+        (0, {"small": [0], "w": [0, 1]}),
+        (1, {"small": [1], "w": [2, 3]}),
+        (2, {"small": [], "w": [4, 5]}),
+    ):
+        copied = rank_spans(meta, path, unmatched="skip", rank=rank)
+        asked = rank_spans(meta, path, unmatched="skip", rank=rank, first_pages=True)
+        expected = []
+        for name, begin in (("small", small), ("w", w)):
+            spans = [s for s in copied if s.tensor == name]
+            assert [(s.offset - begin) // row for s in spans] == rows[name][:1], (rank, name)
+            if not rows[name] or rows[name][0] > 0:  # not from the first byte: its page
+                expected.append(pages[name])
+            expected.extend(spans)
+        assert asked == expected, rank
+    # A plain tensor is read whole, from its first byte: nothing to add.
+    plain = {"small": torch.empty(2, 4096, device="meta")}
+    assert rank_spans(plain, path, unmatched="skip", first_pages=True) == rank_spans(
+        plain, path, unmatched="skip"
+    )
+
+
 def test_shape_mismatch_falls_back_to_the_whole_tensor(tmp_path: Path, rank1_of_4) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(8, 2)}, str(path))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spanwarm.client.first_pages import first_page_span, with_first_pages
+from spanwarm.client.first_pages import first_page_span, tensor_first_pages, with_first_pages
 from spanwarm.residency import PAGE, evict, resident_pages
 from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.tensor_layout import TensorSpans, stored_tensor_spans
@@ -29,6 +29,11 @@ def test_a_span_past_the_first_page_gets_that_page_before_it() -> None:
     assert first_page_span("w", "/f", begin, begin + 50, 10 * PAGE) == TensorSpans(
         "w", "/f", begin, 50, 50, 1
     )
+    # No span of it at all (an empty slice): its page; a tensor of no bytes: nothing.
+    assert first_page_span("w", "/f", begin, begin + MiB, None) == TensorSpans(
+        "w", "/f", begin, PAGE - 100, PAGE - 100, 1
+    )
+    assert first_page_span("w", "/f", begin, begin, None) is None
 
 
 def _checkpoint(tmp_path: Path) -> Path:
@@ -93,3 +98,40 @@ def test_a_slice_read_after_its_request_is_warm_reads_nothing_more(tmp_path: Pat
     # were (without that page: the mount's read-around of it, 2048 pages on this disk).
     assert warmed.sum() == 1 + 8 + 1  # the first page; 32 KiB of rows, not page-aligned
     assert np.array_equal(after, warmed)
+
+
+def test_an_empty_slice_faults_in_the_first_page_and_nothing_more(tmp_path: Path) -> None:
+    """A rank whose box of a tensor is empty still slices it (transformers does, for a
+    dimension smaller than its mesh): the slice reads the tensor's first byte."""
+    pytest.importorskip("torch")
+    from safetensors import safe_open
+
+    path = _checkpoint(tmp_path)
+    ckpt = open_checkpoint(path)
+    ((header, w),) = ckpt.pieces["w"]
+    (touch,) = tensor_first_pages("w", ckpt.pieces["w"], [])
+    assert (touch.offset, touch.length) == (
+        header.file_offset(w),
+        PAGE - header.file_offset(w) % PAGE,
+    )
+    assert tensor_first_pages("w", [*ckpt.pieces["w"], *ckpt.pieces["a"]], []) == []  # in pieces
+    first = header.file_offset(w) // PAGE
+
+    def faulted(spans: list[TensorSpans]) -> int:
+        """Pages of w an empty slice faults in beyond ``spans`` read beforehand."""
+        evict(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for s in spans:
+                os.pread(fd, s.length, s.offset)
+            warmed = resident_pages(fd, 0, os.fstat(fd).st_size)[first:].copy()
+            with safe_open(str(path), "pt") as f:
+                assert tuple(f.get_slice("w")[4096:4096].shape) == (0, 1024)
+            after = resident_pages(fd, 0, os.fstat(fd).st_size)[first:]
+        finally:
+            os.close(fd)
+        return int((after & ~warmed).sum())
+
+    assert faulted([touch]) == 0
+    assert faulted([]) > 0  # without the page: the slice reads it cold, with read-around

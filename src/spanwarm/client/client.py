@@ -34,7 +34,6 @@ import grpc
 import numpy as np
 
 from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint, grant
-from spanwarm.client.first_pages import with_first_pages
 from spanwarm.client.inline_residency import TensorEnvelopes
 from spanwarm.client.own_reads import OwnReads
 from spanwarm.client.rank_spans import KeyMap, rank_spans
@@ -683,8 +682,8 @@ class Client:
                 key_map=key_map,
                 conversions=conversions,
                 unmatched=unmatched,
+                first_pages=True,
             )
-            spans = with_first_pages(spans, ckpt)
         except Exception as exc:  # a prefetch problem must never fail the load
             logger.warning("spanwarm: cannot compute spans (%s); loading without prefetch", exc)
             return self._released([])

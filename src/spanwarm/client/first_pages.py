@@ -9,26 +9,54 @@ past the first expert) would read that page cold after the daemon said the tenso
 ready: a round trip per tensor on a slow mount, in the loader's path. transformers and
 torch DCP's safetensors readers both slice so.
 
+A slice with no elements does so too: transformers slices a tensor whose dimension is
+smaller than its mesh (FSDP4 over a [2, 384] embedding) for nothing on the ranks past
+it, and that read is a cold page as well.
+
 A request for such a load names that page too, as a span of the tensor: warmed with it,
-counted in its bytes, and found resident by the rank before it reads. :func:`rank_spans`
-stays what the loader copies (the read oracle compares it); only the request grows.
+counted in its bytes, and found resident by the rank before it reads.
+:func:`~spanwarm.client.rank_spans.rank_spans` stays what the loader copies (the read
+oracle compares it) unless asked for the pages (``first_pages=True``); only the request
+grows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from spanwarm.residency import PAGE
-from spanwarm.safetensors_header import Checkpoint
+from spanwarm.safetensors_header import Checkpoint, Header, TensorInfo
 from spanwarm.tensor_layout import TensorSpans
 
-__all__ = ["first_page_span", "with_first_pages"]
+__all__ = ["first_page_span", "tensor_first_pages", "with_first_pages"]
+
+Pieces = Sequence[tuple[Header, TensorInfo]]
 
 
 def with_first_pages(spans: Sequence[TensorSpans], checkpoint: Checkpoint) -> list[TensorSpans]:
     """``spans`` of a sliced safetensors load, with the first page of each stored piece
     they read (a span of its bytes there, before the piece's first span) wherever no span
     of that tensor in that file reaches into that page already."""
+    return _with_first_pages(spans, checkpoint.pieces)
+
+
+def tensor_first_pages(tensor: str, pieces: Pieces, spans: list[TensorSpans]) -> list[TensorSpans]:
+    """:func:`with_first_pages` of one tensor's ``spans`` (stored as ``pieces``), where a
+    slice of it with no elements (``spans`` empty) faults in the first page of its one
+    stored piece (and of none where it is stored in pieces: an empty box overlaps none of
+    them, and a loader slices only those its box does)."""
+    if len(pieces) != 1:
+        return _with_first_pages(spans, {tensor: pieces}) if spans else []
+    header, info = pieces[0]  # every span is in its file
+    lowest = min(s.offset for s in spans) if spans else None
+    begin, end = header.file_offset(info), header.data_start + info.end
+    touch = first_page_span(tensor, header.path, begin, end, lowest)
+    return spans if touch is None else [touch, *spans]
+
+
+def _with_first_pages(
+    spans: Sequence[TensorSpans], pieces: Mapping[str, Pieces]
+) -> list[TensorSpans]:
     first: dict[tuple[str, str], int] = {}  # (tensor, path) -> its lowest span offset
     for s in spans:
         key = (s.tensor, s.path)
@@ -40,28 +68,30 @@ def with_first_pages(spans: Sequence[TensorSpans], checkpoint: Checkpoint) -> li
         key = (s.tensor, s.path)
         lowest = first.pop(key, None)
         if lowest is not None:
-            touch = _first_page(s.tensor, s.path, lowest, checkpoint)
+            touch = _first_page(s.tensor, s.path, lowest, pieces.get(s.tensor, ()))
             if touch is not None:
                 out.append(touch)
         out.append(s)
     return out
 
 
-def _first_page(tensor: str, path: str, lowest: int, checkpoint: Checkpoint) -> TensorSpans | None:
+def _first_page(tensor: str, path: str, lowest: int, pieces: Pieces) -> TensorSpans | None:
     """:func:`first_page_span` of ``tensor``'s piece in ``path`` (None: not known there)."""
-    for header, info in checkpoint.pieces.get(tensor, ()):
+    for header, info in pieces:
         if header.path == path:
             begin = header.file_offset(info)
             return first_page_span(tensor, path, begin, header.data_start + info.end, lowest)
     return None
 
 
-def first_page_span(group: str, path: str, begin: int, end: int, lowest: int) -> TensorSpans | None:
+def first_page_span(
+    group: str, path: str, begin: int, end: int, lowest: int | None
+) -> TensorSpans | None:
     """The bytes of a stored tensor (``[begin, end)`` of ``path``) in the page of its first
-    byte, as a span of ``group``; None where the group's lowest span (at ``lowest``)
-    starts in that page already."""
+    byte, as a span of ``group``; None where the group's lowest span (at ``lowest``; None:
+    it has none) starts in that page already, or the tensor has no bytes."""
     page_end = begin - begin % PAGE + PAGE
-    if lowest < page_end:
+    if (lowest is not None and lowest < page_end) or end <= begin:
         return None
     stop = min(page_end, end)
     return TensorSpans(group, path, begin, stop - begin, stop - begin, 1)

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from spanwarm.client.first_pages import tensor_first_pages
 from spanwarm.conversions import Conversion, Converted, natural_key, read_runs
 from spanwarm.placements import (
     IndexRuns,
@@ -223,6 +224,7 @@ def rank_spans(
     conversions: Sequence[Conversion] = (),
     unmatched: Literal["warm", "skip"] = "warm",
     rank: int | None = None,
+    first_pages: bool = False,
 ) -> list[TensorSpans]:
     """The byte spans of ``checkpoint`` this rank reads to fill ``state_dict``.
 
@@ -236,13 +238,17 @@ def rank_spans(
     some conversion) or left out (``"skip"``). Spans come grouped by tensor in
     state-dict order, then unmatched tensors in file order. ``rank`` computes the spans of
     that global rank instead of this process's (what-if planning: the placements are the
-    same on every rank, only the mesh coordinate differs). Pure: no daemon involved.
+    same on every rank, only the mesh coordinate differs). ``first_pages``: for a load
+    that slices each tensor with safetensors' ``get_slice``, also the page of each sliced
+    tensor's first byte, which the slice faults in whatever it copies (an empty slice of
+    a tensor read as stored too; see :mod:`.first_pages`), as a span of the tensor before
+    its others. Pure: no daemon involved.
     """
     if unmatched not in ("warm", "skip"):
         raise ValueError(f"unmatched must be 'warm' or 'skip', not {unmatched!r}")
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     if key_map is None and not conversions:  # each name is its own key: no routing
-        return _identity_spans(state_dict, ckpt, unmatched, _Coordinates(rank))
+        return _identity_spans(state_dict, ckpt, unmatched, _Coordinates(rank), first_pages)
     to_state_key = _mapper(key_map)
     by_state_key: dict[str, list[tuple[str, Converted | None, int]]] = {}
     collected: dict[tuple[str, str], int] = {}  # (target, source pattern) -> pieces so far
@@ -267,7 +273,11 @@ def rank_spans(
     out: list[TensorSpans] = []
     for key, value in state_dict.items():
         for name, converted, index in by_state_key.get(key, ()):
-            out.extend(_tensor_spans(name, value, ckpt.pieces[name], coordinates, converted, index))
+            out.extend(
+                _tensor_spans(
+                    name, value, ckpt.pieces[name], coordinates, converted, index, first_pages
+                )
+            )
     if unmatched == "warm":
         in_file_order = set(unmatched_names)
         for name in ckpt.pieces:
@@ -281,6 +291,7 @@ def _identity_spans(
     ckpt: Checkpoint,
     unmatched: Literal["warm", "skip"],
     coordinates: _Coordinates,
+    first_pages: bool,
 ) -> list[TensorSpans]:
     """:func:`rank_spans` where every checkpoint name is its own state-dict key: a lookup
     per key, nothing sorted or routed (a resident rank's request is this, per tensor)."""
@@ -290,7 +301,7 @@ def _identity_spans(
     for key, value in state_dict.items():
         pieces = pieces_of.get(key)
         if pieces is not None:
-            out.extend(_tensor_spans(key, value, pieces, coordinates, None, 0))
+            out.extend(_tensor_spans(key, value, pieces, coordinates, None, 0, first_pages))
     if unmatched == "warm":
         for name, pieces in pieces_of.items():
             if name not in state_dict:
@@ -305,13 +316,22 @@ def _tensor_spans(
     coordinates: _Coordinates,
     converted: Converted | None,
     index: int,
+    first_pages: bool,
 ) -> list[TensorSpans]:
-    """The spans this rank reads of checkpoint tensor ``name`` (stored as ``pieces``)."""
+    """The spans this rank reads of checkpoint tensor ``name`` (stored as ``pieces``), with
+    their first pages where asked (:func:`rank_spans`)."""
     if not isinstance(value, _dtensor_type()):
         return stored_tensor_spans(name, pieces, Everything)  # a plain tensor: all of it
     shape = global_shape(pieces)
     runs = _read_runs(name, value, shape, pieces[0][1].dtype, coordinates, converted, index)
-    return [] if runs is False else stored_tensor_spans(name, pieces, runs)
+    if runs is False:
+        return []  # outside the tensor's mesh: not sliced at all
+    spans = stored_tensor_spans(name, pieces, runs)
+    if not first_pages or (not spans and converted is not None):
+        # A converted piece the rank holds nothing of is not sliced (transformers: the
+        # read recorder's expert-parallel loads show no such slice).
+        return spans
+    return tensor_first_pages(name, pieces, spans)
 
 
 def _warn_missing(missing: list[str]) -> None:

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spanwarm.client.client import Client
-from spanwarm.client.first_pages import with_first_pages
 from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.transformers.routing import REQUIRED, load_spans
 from spanwarm.safetensors_header import open_checkpoint
@@ -147,13 +146,13 @@ def _load_spans(
             for t in sorted(header.tensors, key=lambda t: t.begin)
             for s in stored_tensor_spans(t.name, [(header, t)], None)
         ]
-    spans = load_spans(
+    return load_spans(
         model,
         checkpoint,
         getattr(load_config, "weight_mapping", None),
         by_target=_reads_by_target(load_config),
+        first_pages=True,  # each slice faults its tensor's first page
     )
-    return with_first_pages(spans, checkpoint)  # each slice faults its tensor's first page
 
 
 _state = threading.local()

@@ -97,6 +97,7 @@ def load_spans(
     *,
     rank: int | None = None,
     by_target: bool = False,
+    first_pages: bool = False,
 ) -> list[TensorSpans]:
     """What this rank (or global ``rank``) reads of ``checkpoint`` when transformers loads it
     into ``model`` (a distributed meta model), in the order transformers reads it.
@@ -104,7 +105,9 @@ def load_spans(
     With its thread pool (the default) transformers reads checkpoint keys in
     ``dot_natural_key`` order; without it (``by_target``: ``HF_DEACTIVATE_ASYNC_LOAD``,
     disk offload, quantizing on load) it reads target by target, in the order each target
-    was first met, one source pattern's pieces after another.
+    was first met, one source pattern's pieces after another. ``first_pages``: with the
+    page each slice faults in (:func:`~spanwarm.client.rank_spans.rank_spans`), for the
+    request; without, exactly what the loader copies.
     """
     names = sorted(checkpoint.pieces, key=natural_key)
     meta_state_dict = model.state_dict()
@@ -123,5 +126,7 @@ def load_spans(
         order[name] = (t, p, i) if by_target else (i,)
     targets = {to.target if isinstance(to, Converted) else to for to in map(route, order)}
     state = {k: v for k, v in meta_state_dict.items() if k in targets}
-    spans = rank_spans(state, checkpoint, key_map=route, unmatched="skip", rank=rank)
-    return sorted(spans, key=lambda s: order[s.tensor])
+    spans = rank_spans(
+        state, checkpoint, key_map=route, unmatched="skip", rank=rank, first_pages=first_pages
+    )
+    return sorted(spans, key=lambda s: order[s.tensor])  # stable: first pages stay first

@@ -86,6 +86,40 @@ def test_plan_command_on_a_model_directory(per_expert: Path) -> None:
     assert table.stdout.startswith("node 0: ranks 0..3")
 
 
+def test_the_plan_warms_what_the_ranks_ask_for_their_slices_first_pages_too(
+    per_expert: Path,
+) -> None:
+    """A node's plan is what its ranks request: the rows they copy and the page of each
+    sliced tensor's first byte (TP rank 1 holds no first rows: each slice faults that
+    page in), plus each file's header."""
+    checkpoint = open_checkpoint(per_expert)
+    run = plan(
+        str(per_expert),
+        "--tp",
+        "4",
+        "--local-world",
+        "1",
+        "--node",
+        "1",
+        "--seek-cost",
+        "0",
+        "--json",
+    )
+    assert run.returncode == 0, run.stderr
+    needed = json.loads(run.stdout)["needed_bytes"] - sum(h.data_start for h in checkpoint.headers)
+
+    def covered(first_pages: bool) -> int:
+        (spans,) = rank_load_spans(
+            per_expert, checkpoint, {"tp_size": 4}, world=4, ranks=[1], first_pages=first_pages
+        ).values()
+        by_file: dict[str, list[StridedSpan]] = {}
+        for s in spans:
+            by_file.setdefault(s.path, []).append(s.span)
+        return sum(SpanTable.of(spans).covered_bytes() for spans in by_file.values())
+
+    assert needed == covered(first_pages=True) > covered(first_pages=False)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

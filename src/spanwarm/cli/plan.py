@@ -135,12 +135,15 @@ def _sizes(args: argparse.Namespace) -> tuple[dict[str, int], int, range]:
 
 
 def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> NodePlan:
-    """Every rank of the node planned through transformers' own distributed loading."""
+    """Every rank of the node planned through transformers' own distributed loading, as
+    each asks the daemon (the first page each slice faults in included)."""
     sizes, world, ranks = _sizes(args)
     from spanwarm.integrations.transformers.whatif import rank_load_spans
 
     with _quiet_transformers():
-        per_rank = rank_load_spans(args.checkpoint, checkpoint, sizes, world=world, ranks=ranks)
+        per_rank = rank_load_spans(
+            args.checkpoint, checkpoint, sizes, world=world, ranks=ranks, first_pages=True
+        )
     spans = (s for rank_spans in per_rank.values() for s in rank_spans)
     return plan_node_spans(
         checkpoint, spans, node=args.node, ranks=list(ranks), seek_cost=args.seek_cost

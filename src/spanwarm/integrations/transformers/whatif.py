@@ -87,11 +87,16 @@ def rank_load_spans(
     *,
     world: int,
     ranks: Iterable[int],
+    first_pages: bool = False,
 ) -> dict[int, list[TensorSpans]]:
     """Spans each of ``ranks`` reads when ``world`` ranks load ``model_dir`` with
-    ``DistributedConfig(**distributed)``."""
+    ``DistributedConfig(**distributed)``; with ``first_pages``, what each asks the
+    daemon for (the pages its slices fault in too: :func:`load_spans`)."""
     with meta_model(model_dir, distributed, world=world) as (model, mapping):
         try:
-            return {rank: load_spans(model, checkpoint, mapping, rank=rank) for rank in ranks}
+            return {
+                rank: load_spans(model, checkpoint, mapping, rank=rank, first_pages=first_pages)
+                for rank in ranks
+            }
         except Exception as exc:
             raise ParallelismError(f"{type(model).__name__} with {distributed}: {exc}") from exc

@@ -255,9 +255,30 @@ def test_consumed_from_another_user_releases_nothing(area: Area) -> None:
         client.close()
 
 
+def _descriptors_of(pid: int, path: Path) -> int:
+    """How many of process ``pid``'s descriptors are open on ``path``."""
+    fds = f"/proc/{pid}/fd"
+    targets = []
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            targets.append(os.readlink(f"{fds}/{fd}"))
+    return targets.count(str(path))
+
+
 def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
     flags = ("--user-max-requests", "2", "--user-max-bytes", "1MiB")
     with group_daemon(area, *flags) as daemon:
+        # Refused once admitted (its bytes are known then): its file goes back with it,
+        # the grant spent on it too. (It stayed open for good, so a user could pin any
+        # number of files, one refused request each.)
+        refused = as_user(
+            ALICE, "caps", socket=daemon.socket, own=str(area.own), grants=1, length=OWN_SIZE
+        )
+        assert refused["warm"] == "RESOURCE_EXHAUSTED", refused
+        deadline = time.monotonic() + 10
+        while _descriptors_of(daemon.process.pid, area.own) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _descriptors_of(daemon.process.pid, area.own) == 0
         result = as_user(
             ALICE, "caps", socket=daemon.socket, own=str(area.own), grants=3, length=OWN_SIZE
         )

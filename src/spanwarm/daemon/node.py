@@ -509,6 +509,8 @@ class Node:
         The caller releases it in every case (``release`` undoes whatever got done), so a
         failure or a cancellation here leaves the node as it was.
         """
+        if request.released:  # its stream ended before this began
+            return
         self._requests.append(request)
         for file in request.files:
             self._users.setdefault(file, set()).add(request)
@@ -544,8 +546,15 @@ class Node:
 
     def release(self, request: Request) -> None:
         """The request's stream ended: drop its interest and everything only it needed.
-        Safe to call more than once, and for a request that never became active."""
+        Safe to call more than once, and for a request that never became active or was
+        never registered (refused after admission, or its client gone before): its files
+        go back all the same."""
+        if request.released:
+            return
+        request.released = True
         if request not in self._requests:
+            for file in request.acquired:
+                self.files.release(file)
             return
         self._requests.remove(request)
         request.active = False

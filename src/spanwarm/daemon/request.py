@@ -107,6 +107,7 @@ class Request:
         self.active = False  # in the node plan and in its cells' waiters (Node.register)
         self.activated = float("inf")  # when it became active
         self.acquired = list(admitted.files)  # one file-table reference per listed path
+        self.released = False  # Node.release has given back its files and interest
         # What this caller is shown for each file: its own name for it (a shared file's
         # path is whoever opened it first).
         self.names: dict[OpenFile, str] = {}

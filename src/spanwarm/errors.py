@@ -100,7 +100,8 @@ class CheckpointError(SpanwarmError):
 
 
 class NotARegularFileError(CheckpointError):
-    """The path names a FIFO, device, socket or directory, not a regular file."""
+    """The path names a FIFO, device, socket or directory, not a regular file, or a
+    regular file of a kernel file system (procfs, sysfs, ...): nothing to warm."""
 
 
 class HeaderError(CheckpointError):

@@ -188,6 +188,10 @@ def raw_warm(args: dict[str, Any]) -> dict[str, Any]:
         )
         results["o_path"] = _grant_fd(args["socket"], os.O_PATH, args["secret"])
         results["write_only"] = _grant_fd(args["socket"], os.O_WRONLY, args["own_writable"])
+        # Files of the kernel's own that we may open: read by the daemon with its own
+        # rights, they could say more than they say to us.
+        for kind, target in args["kernel_files"].items():
+            results[kind] = _grant_fd(args["socket"], os.O_RDONLY, target)
         results["guessed_token"] = _warm_raw(
             stub, _request([args["own"]], args["length"], token="A" * 43)
         )
@@ -225,7 +229,8 @@ def caps(args: dict[str, Any]) -> dict[str, Any]:
             codes.append(exc.code)
     with grpc.insecure_channel(f"unix:{args['socket']}") as channel:
         stub = warmer_pb2_grpc.WarmerStub(channel)
-        warm = _warm_raw(stub, _request([args["own"]], args["length"], token=tokens[0]))
+        label = args.get("label", args["own"])  # the request's name for the file: any text
+        warm = _warm_raw(stub, _request([label], args["length"], token=tokens[0]))
     return {"grants": codes, "warm": warm["code"], "details": warm["details"]}
 
 

@@ -549,6 +549,15 @@ def test_hostile_paths_get_their_documented_codes(tmp_path: Path) -> None:
         ("empty", "", "INVALID_ARGUMENT", "absolute"),
         ("relative", "good", "INVALID_ARGUMENT", "absolute"),
         ("/dev/null", "/dev/null", "FAILED_PRECONDITION", "not a regular file"),
+        # Regular files of the kernel's own: no page cache, and what they read depends on
+        # who opened them (the daemon reopens with its own rights).
+        ("procfs", "/proc/version", "FAILED_PRECONDITION", "is on procfs"),
+        (
+            "sysfs",
+            "/sys/kernel/mm/transparent_hugepage/enabled",
+            "FAILED_PRECONDITION",
+            "is on sysfs",
+        ),
         # Quoted back in a header (percent-encoded): newlines, two-byte characters, "%".
         # (The cause in such long messages: test_a_long_path_keeps_the_cause_in_the_message.)
         ("newlines", "/" + "/".join(["\n" * 200] * 15), "NOT_FOUND", "/"),

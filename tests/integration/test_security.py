@@ -179,6 +179,14 @@ def test_a_member_warms_its_own_file_and_nothing_it_cannot_read(area: Area) -> N
         assert _cold(area.inner)
 
 
+# Regular files of kernel file systems anyone may open (sysfs's PCI config gives a user 64
+# bytes and root 4096: the daemon, reopening, would read as root).
+KERNEL_FILES = {
+    "procfs": "/proc/version",
+    "sysfs": "/sys/kernel/mm/transparent_hugepage/enabled",
+}
+
+
 def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
     evict(area.secret)
     evict(area.inner)
@@ -192,6 +200,7 @@ def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
             own=str(area.own),
             own_writable=str(area.writable),
             length=4096,
+            kernel_files={k: path for k, path in KERNEL_FILES.items() if os.path.exists(path)},
         )
         assert result["by_name"]["code"] == "UNAUTHENTICATED", result
         assert result["inner_by_name"]["code"] == "UNAUTHENTICATED", result
@@ -207,6 +216,13 @@ def test_the_raw_wire_gets_nothing_past_the_descriptors(area: Area) -> None:
         assert "not opened for reading" in result["o_path"]["details"]
         assert not result["o_path"]["token"]
         assert result["write_only"]["code"] == "PERMISSION_DENIED", result["write_only"]
+        for kind in KERNEL_FILES:
+            if kind in result:  # where this machine has the file
+                refused = result[kind]
+                assert refused["code"] == "FAILED_PRECONDITION", (kind, refused)
+                assert f"is on {kind}" in refused["details"], (kind, refused)
+                assert not refused["token"]
+        assert "procfs" in result
         _names_no_size(result, SECRET_SIZE, INNER_SIZE)
         assert _cold(area.secret)
         assert _cold(area.inner)
@@ -292,6 +308,24 @@ def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
     assert result["grants"] == ["OK", "OK", "PERMISSION_DENIED"], result
     assert result["warm"] == "RESOURCE_EXHAUSTED", result
     assert "--user-max-bytes" in result["details"]
+
+
+def test_a_refusal_names_the_file_as_the_daemon_sees_it_never_by_the_callers_label(
+    area: Area,
+) -> None:
+    with group_daemon(area) as daemon:
+        result = as_user(
+            ALICE,
+            "caps",
+            socket=daemon.socket,
+            own=str(area.own),
+            grants=1,
+            length=OWN_SIZE + 1,
+            label="/etc/shadow \x1b[2J forged",
+        )
+    assert result["warm"] == "OUT_OF_RANGE", result
+    assert result["details"].startswith(f"{area.own}: span 0 ends at {OWN_SIZE + 1}"), result
+    assert "shadow" not in result["details"]
 
 
 def test_one_users_idle_connections_do_not_lock_out_another(area: Area) -> None:

@@ -4,8 +4,9 @@ Every refusal is a :mod:`spanwarm.errors` type whose ``grpc_code`` the service a
 with, naming the file, the offset and the cause. A request's files come as descriptors
 its caller opened (a grant, :mod:`spanwarm.daemon.access`); the daemon opens a path by
 name only for its own user. Either way the allowed roots are checked on the kernel's
-name for what is open, files must be regular (a FIFO is never read), and they are shared
-by identity across every request on the node.
+name for what is open, files must be regular (a FIFO is never read) and not the kernel's
+own (:mod:`.file_systems`), and they are shared by identity across every request on the
+node.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.file_systems import kernel_file_system
 from spanwarm.errors import (
     AccessDeniedError,
     FileChangedError,
@@ -243,6 +245,11 @@ class FileTable:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotARegularFileError(label, "is not a regular file")
+            kernel = kernel_file_system(fd)
+            if kernel is not None:
+                raise NotARegularFileError(
+                    label, f"is on {kernel}: the kernel's interface, no page cache to warm"
+                )
             name = kernel_name(fd)
             if not self._allowed(name):
                 raise PathNotAllowedError(
@@ -517,13 +524,13 @@ def _admit(
             files.append(table.acquire(path))  # noqa: PERF401
     spans: dict[int, SpanTable] = {}
     span_groups: dict[int, npt.NDArray[np.int64]] = {}
-    for position, (file, _) in enumerate(files):
+    for position, (file, name) in enumerate(files):
         mine = file_index == position
         beyond = np.flatnonzero(mine & (count > 0) & (end > file.size))
         if beyond.size:
             i = int(beyond[0])
             raise SpanOutOfRangeError(
-                request.files[position],
+                name,  # the kernel's name for the caller's descriptor, never its label
                 f"span {i} ends at {int(end[i])}, past the end of the {file.size}-byte file",
                 offset=int(offset[i]),
             )

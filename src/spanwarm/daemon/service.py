@@ -57,6 +57,13 @@ _MAX_DETAILS = 1000  # characters of a status message (it travels in a header)
 _PATH_SHOWN = 400  # characters of a path quoted in a refusal (its head and its tail)
 _DECODE_INLINE = 64 * 2**10  # bytes of a Consumed message decoded on the loop
 _LARGE = 10_000  # spans: a request this large has its memory given back when done
+# A message this large has its memory given back when its call ends, however it ends: a
+# refusal's exception holds the handler's frame (the raw and the decoded message) in a
+# reference cycle that only the collector frees, and a daemon that allocates little
+# seldom runs a full collection (six refused 104 MB Warms held 2.7 GB, found by an
+# attack run).
+_LARGE_MESSAGE = 4 * 2**20
+_TRIM_AGAIN_S = 5.0
 
 _LIMITS = {
     FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
@@ -111,6 +118,18 @@ def _describe(exc: SpanwarmError) -> str:
     return f"{path}: {exc.cause}{where}"
 
 
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of ``exc`` and the exceptions it chains to: they hold the frames
+    that raised them, and those the request's messages; the exception itself lives on
+    (grpc keeps the abort it leads to, chained to it, for a while after the call)."""
+    seen: set[int] = set()
+    chained: BaseException | None = exc
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+
+
 def _decode(cls: Any, data: bytes) -> Any:
     try:
         return cls.FromString(data)
@@ -135,6 +154,7 @@ class WarmerService:
         self.idle = asyncio.Event()
         self.idle.set()
         self._trim_pending = False
+        self._trim_again = False
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The Warmer service's handlers: requests arrive as bytes, decoded by us."""
@@ -160,6 +180,7 @@ class WarmerService:
         else:
             logger.error("unexpected error: %r", exc, exc_info=exc)
             code, text = "INTERNAL", f"internal error in the daemon: {exc!r}"
+        _forget_frames(exc)
         self.node.metrics.add(self.node.metrics.errors, 1, code)
         await context.abort(grpc.StatusCode[code], _details(text))
 
@@ -182,6 +203,20 @@ class WarmerService:
         )
 
     async def Warm(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        large = len(data) > _LARGE_MESSAGE
+        stream = self._warm(data, context)
+        del data  # the stream may last the whole load: only _warm holds the message
+        try:
+            async with contextlib.aclosing(stream):
+                async for message in stream:
+                    yield message
+        finally:
+            if large:
+                self._trim_after_call()
+
+    async def _warm(
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[Any, None]:
         grant: Grant | None = None
         try:
             if self.draining:
@@ -223,6 +258,8 @@ class WarmerService:
                 self.grants.finished(grant)
             if isinstance(exc, SpanwarmError):
                 logger.info("refused a request: %s", exc)
+            # The abort's traceback keeps this frame: not the message with it.
+            data = request = beat = b""  # noqa: F841
             await self._refuse(context, exc)
             return
         self.streams += 1
@@ -286,17 +323,43 @@ class WarmerService:
                     job.add_done_callback(abandon)
                 waiting.add_done_callback(_retrieved)
 
-    def _trim_soon(self) -> None:
-        """Collect and trim the heap once this request's frame has let go of it (one trim
-        pending at a time; off the loop: it takes tens of milliseconds)."""
-        if not self._trim_pending:
-            self._trim_pending = True
-            asyncio.get_running_loop().call_later(0.5, self._trim)
+    def _trim_after_call(self) -> None:
+        """Collect and trim soon after a large call, and once more a while later: grpc lets
+        go of a call's objects (and, through its abort, of what they hold) some time after
+        the call ends."""
+        self._trim_soon()
+        with contextlib.suppress(RuntimeError):  # the loop is ending: nothing to trim
+            asyncio.get_running_loop().call_later(_TRIM_AGAIN_S, self._trim_soon)
 
-    def _trim(self) -> None:
-        self._trim_pending = False
-        with contextlib.suppress(RuntimeError):  # the pool has shut down: we are exiting
-            self.node.admission_pool.submit(trim_heap, collect=True)
+    def _trim_soon(self) -> None:
+        """Collect and trim the heap once this call's frame has let go of it (off the loop:
+        it takes tens of milliseconds). One trim pending at a time; a call that ends while
+        one is pending gets one more after it (its garbage may not exist yet when the
+        pending one runs)."""
+        if self._trim_pending:
+            self._trim_again = True
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a stream closed as the loop ends: nothing left to trim
+            return
+        self._trim_pending = True
+        loop.call_later(0.5, self._trim, loop)
+
+    def _trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        again, self._trim_again = self._trim_again, False
+        try:
+            job = self.node.admission_pool.submit(trim_heap, collect=True)
+        except RuntimeError:  # the pool has shut down: we are exiting
+            self._trim_pending = False
+            return
+
+        def done(_: object) -> None:
+            self._trim_pending = False
+            if again:
+                self._trim_soon()
+
+        job.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:
         """Register the request, send its plan, then its events until it is done and the
@@ -445,10 +508,12 @@ class WarmerService:
         self,
         context: grpc.aio.ServicerContext,
         handler: Callable[..., Coroutine[Any, Any, Any]],
+        data: bytes,
         *args: Any,
     ) -> Any:
+        large = len(data) > _LARGE_MESSAGE
         try:
-            return await handler(*args)
+            return await handler(data, *args)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
@@ -459,7 +524,11 @@ class WarmerService:
                 # report raced the end of its request and its channel's close.
                 logger.debug("call ended by its caller before its answer: %r", exc)
                 raise asyncio.CancelledError from exc
+            data = b""  # the abort's traceback keeps this frame: not the message with it
             await self._refuse(context, exc)
+        finally:
+            if large:
+                self._trim_after_call()
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:

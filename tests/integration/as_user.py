@@ -103,7 +103,9 @@ def _warm_raw(stub: Any, request: Any, timeout: float = 20.0) -> dict[str, Any]:
     return out
 
 
-def _request(paths: list[str], length: int, token: str = "") -> Any:
+def _request(paths: list[str], length: int, token: str = "", *, count: int = 1) -> Any:
+    """One span a path: ``count`` rows of ``length`` bytes, one every ``2 * length``
+    where there are several."""
     n = len(paths)
     return warmer_pb2.WarmRequest(
         job="attacker",
@@ -113,8 +115,8 @@ def _request(paths: list[str], length: int, token: str = "") -> Any:
         file_index=list(range(n)),
         offset=[0] * n,
         length=[length] * n,
-        stride=[length] * n,
-        count=[1] * n,
+        stride=[length if count == 1 else 2 * length] * n,
+        count=[count] * n,
         group_index=list(range(n)),
         token=token,
     )
@@ -230,7 +232,8 @@ def caps(args: dict[str, Any]) -> dict[str, Any]:
     with grpc.insecure_channel(f"unix:{args['socket']}") as channel:
         stub = warmer_pb2_grpc.WarmerStub(channel)
         label = args.get("label", args["own"])  # the request's name for the file: any text
-        warm = _warm_raw(stub, _request([label], args["length"], token=tokens[0]))
+        request = _request([label], args["length"], token=tokens[0], count=args.get("count", 1))
+        warm = _warm_raw(stub, request)
     return {"grants": codes, "warm": warm["code"], "details": warm["details"]}
 
 

@@ -282,8 +282,19 @@ def _descriptors_of(pid: int, path: Path) -> int:
 
 
 def test_per_user_caps_refuse_with_their_codes(area: Area) -> None:
-    flags = ("--user-max-requests", "2", "--user-max-bytes", "1MiB")
+    flags = ("--user-max-requests", "2", "--user-max-bytes", "1MiB", "--user-max-rows", "100")
     with group_daemon(area, *flags) as daemon:
+        # 101 rows of 4 KiB (404 KiB): within --max-rows and --user-max-bytes, not within
+        # --user-max-rows (what planning expands, for every live request of a file at once).
+        rows = as_user(
+            ALICE, "caps", socket=daemon.socket, own=str(area.own), grants=1, length=4096, count=101
+        )
+        assert rows["warm"] == "RESOURCE_EXHAUSTED", rows
+        assert "more than 100 rows of strided spans (--user-max-rows)" in rows["details"], rows
+        within = as_user(
+            ALICE, "caps", socket=daemon.socket, own=str(area.own), grants=1, length=4096, count=100
+        )
+        assert within["warm"] == "OK", within
         # Refused once admitted (its bytes are known then): its file goes back with it,
         # the grant spent on it too. (It stayed open for good, so a user could pin any
         # number of files, one refused request each.)

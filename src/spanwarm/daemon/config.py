@@ -155,6 +155,14 @@ class DaemonConfig:
         kind="size",
         help="most bytes the live requests of one uid may name (default: no limit)",
     )
+    user_max_rows: int = _setting(
+        32_000_000,
+        flag="--user-max-rows",
+        kind="int",
+        help="most rows the strided spans of one uid's live requests may have in total "
+        "(planning expands every live request's rows of a file together: a few hundred MB "
+        "and seconds per 8M); root and the daemon's own user are not limited",
+    )
     user_max_files: int = _setting(
         32_768,
         flag="--user-max-files",
@@ -274,7 +282,13 @@ class DaemonConfig:
             value = getattr(self, name)
             if not 1 <= value <= 2**40:  # the bound keeps admission's sums exact in int64
                 raise ConfigError(f"{name}: must be between 1 and 2**40, got {value}")
-        for name in ("user_max_requests", "user_max_files", "user_max_bytes", "user_max_in_flight"):
+        for name in (
+            "user_max_requests",
+            "user_max_files",
+            "user_max_bytes",
+            "user_max_rows",
+            "user_max_in_flight",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:  # None: no cap
                 raise ConfigError(f"{name}: must be >= 1, got {value}")

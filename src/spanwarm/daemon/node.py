@@ -376,6 +376,10 @@ class Node:
         """Bytes the live requests of ``uid`` name."""
         return sum(r.nbytes for r in self._requests if r.uid == uid)
 
+    def user_rows(self, uid: int) -> int:
+        """Rows the strided spans of ``uid``'s live requests have."""
+        return sum(r.rows for r in self._requests if r.uid == uid)
+
     def consumed(self, request: Request, groups: Iterable[int]) -> None:
         """A rank read these groups: cells nobody else holds stop counting against the
         budget, and a cell where the rank has read everything it asked for is no longer

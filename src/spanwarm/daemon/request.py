@@ -117,6 +117,7 @@ class Request:
         self.remaining = np.zeros(len(self.groups), dtype=np.int64)
         self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)
         self.finished = False
+        self.rows = 0  # of its strided spans: what planning expands (--user-max-rows)
         unique: dict[OpenFile, int] = {}
         parts = []
         for position, file in enumerate(admitted.files):
@@ -128,6 +129,7 @@ class Request:
             else:
                 self.files[file], self.file_groups[file] = table, groups
             np.add.at(self.group_bytes, groups, table.length * table.count)
+            self.rows += int(table.count[table.count > 1].sum())
             index = unique.setdefault(file, len(unique))
             parts.extend(_touches(table, groups, file.size, chunk, index))
         self._index(parts, list(unique))

@@ -267,7 +267,7 @@ class WarmerService:
         try:
             if grant is not None:
                 live.uid, live.token = grant.peer.uid, grant.token
-                self._check_user_bytes(live.uid, live)
+                self._check_user_caps(live.uid, live)
             async for message in self._serve(live):
                 yield message
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -284,15 +284,24 @@ class WarmerService:
             if live.spans > _LARGE:
                 self._trim_soon()
 
-    def _check_user_bytes(self, uid: int, request: Request) -> None:
-        """Refuse a request that takes its uid past ``--user-max-bytes`` (checked once it
-        is admitted: the bytes it names are exact then)."""
-        cap = self.config.user_max_bytes
-        if cap is None or uid in self.node.trusted_uids:
+    def _check_user_caps(self, uid: int, request: Request) -> None:
+        """Refuse a request that takes its uid past ``--user-max-bytes`` or
+        ``--user-max-rows`` (checked once it is admitted: what it names is exact then).
+        Rows are the node's cost, not the request's: planning expands the strided rows of
+        every live request on a file together, so one user's requests, each within
+        ``--max-rows``, took GBs and held up everyone's registration for seconds."""
+        if uid in self.node.trusted_uids:
             return
-        if self.node.user_bytes(uid) + request.nbytes > cap:
+        cap = self.config.user_max_bytes
+        if cap is not None and self.node.user_bytes(uid) + request.nbytes > cap:
             raise RequestTooLargeError(
                 f"uid {uid}'s live requests would name more than {cap} bytes (--user-max-bytes)"
+            )
+        rows = self.config.user_max_rows
+        if request.rows and self.node.user_rows(uid) + request.rows > rows:
+            raise RequestTooLargeError(
+                f"uid {uid}'s live requests would have more than {rows} rows of strided "
+                "spans (--user-max-rows)"
             )
 
     async def _off_loop(

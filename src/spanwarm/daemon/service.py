@@ -363,12 +363,16 @@ class WarmerService:
             self._trim_pending = False
             return
 
-        def done(_: object) -> None:
+        def done() -> None:
             self._trim_pending = False
             if again:
                 self._trim_soon()
 
-        job.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+        def back_on_the_loop(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: we are exiting
+                loop.call_soon_threadsafe(done)
+
+        job.add_done_callback(back_on_the_loop)
 
     async def _serve(self, live: Request) -> AsyncIterator[Any]:
         """Register the request, send its plan, then its events until it is done and the

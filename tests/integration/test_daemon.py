@@ -693,3 +693,35 @@ def test_many_ranks_with_overlapping_spans_arriving_together_all_get_ready(
             ticket.cancel()
         client.close()
     assert [t.progress.ready for t in tickets] == [200] * 16
+
+
+def test_a_load_cancelled_right_after_its_last_report_leaves_no_thread(tmp_path: Path) -> None:
+    """A loader done with its tensors cancels at once: a release landing while the
+    reporting thread waited out its batch delay was cleared by it, and the thread then
+    waited for good, holding the ticket (7 of 8 loads left one, found by an attack run)."""
+    path = cold_file(tmp_path / "f", 4 * MiB)
+    spans = [span(f"t{i}", path, i * MiB, MiB) for i in range(4)]
+    with running_daemon("--method", "read") as daemon:
+        client = Client(daemon.socket)
+        for _ in range(8):
+            evict(path)
+            ticket = client.request(spans, rank=0)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for s in spans:
+                    ticket.wait_for_read(s.tensor, timeout=30)
+                    os.pread(fd, s.length, s.offset)
+                    ticket.consumed([s.tensor])
+            finally:
+                os.close(fd)
+            ticket.cancel()
+            assert ticket.finished.wait(10)
+        client.close()
+
+        def reporters() -> int:
+            return sum(t.name == "spanwarm-reports" for t in threading.enumerate())
+
+        deadline = time.monotonic() + 10
+        while reporters() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reporters() == 0

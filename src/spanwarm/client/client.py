@@ -451,6 +451,10 @@ class Ticket:
                 return  # the stream is over: reports would find no request
             time.sleep(_REPORT_DELAY)
             self._report_due.clear()
+            if self.finished.is_set():
+                # Released during the sleep: its wake-up was just cleared, and no other
+                # comes (the thread waited for good, holding the ticket).
+                return
             self._flush()
 
     def _flush(self, wait: bool = False) -> None:
@@ -891,6 +895,15 @@ class Client:
                     )
                 # After "done" the daemon keeps the stream open until this rank has
                 # reported (Ticket.consumed) what it holds; the loop ends with the stream.
+            with ticket._cond:
+                pending = sum(state == _PENDING for state in ticket._state)
+            if pending and not ticket.finished.is_set():  # ended by the daemon, not us
+                logger.warning(
+                    "spanwarm: daemon at %s ended the stream with %d tensors not warm; they "
+                    "load without prefetch",
+                    self.socket,
+                    pending,
+                )
         except (EndpointUnsafe, OSError) as exc:
             self._warn_unreachable(exc)
         except AccessRefused as exc:

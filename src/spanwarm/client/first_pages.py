@@ -47,10 +47,8 @@ def tensor_first_pages(tensor: str, pieces: Pieces, spans: list[TensorSpans]) ->
     them, and a loader slices only those its box does)."""
     if len(pieces) != 1:
         return _with_first_pages(spans, {tensor: pieces}) if spans else []
-    header, info = pieces[0]  # every span is in its file
-    lowest = min(s.offset for s in spans) if spans else None
-    begin, end = header.file_offset(info), header.data_start + info.end
-    touch = first_page_span(tensor, header.path, begin, end, lowest)
+    lowest = min(s.offset for s in spans) if spans else None  # every span is in its file
+    touch = _first_page(tensor, pieces[0][0].path, lowest, pieces)
     return spans if touch is None else [touch, *spans]
 
 
@@ -75,7 +73,7 @@ def _with_first_pages(
     return out
 
 
-def _first_page(tensor: str, path: str, lowest: int, pieces: Pieces) -> TensorSpans | None:
+def _first_page(tensor: str, path: str, lowest: int | None, pieces: Pieces) -> TensorSpans | None:
     """:func:`first_page_span` of ``tensor``'s piece in ``path`` (None: not known there)."""
     for header, info in pieces:
         if header.path == path:

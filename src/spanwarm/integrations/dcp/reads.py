@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from spanwarm.client.first_pages import first_page_span
+from spanwarm.client.first_pages import tensor_first_pages
 from spanwarm.errors import CheckpointError
 from spanwarm.safetensors_header import Header, TensorInfo, read_header
 from spanwarm.tensor_layout import TensorSpans, tensor_spans
@@ -224,10 +224,7 @@ def _safetensors(reader: Any, kind: str, per_file: dict[str, list[Any]]) -> Plan
             try:
                 spans = _box_spans(group, header, tensor, box)
                 if spans:  # get_slice faults in the tensor's first page: asked for too
-                    begin, end = header.file_offset(tensor), header.data_start + tensor.end
-                    lowest = min(s.offset for s in spans)
-                    touch = first_page_span(group, header.path, begin, end, lowest)
-                    out.spans.extend([touch, *spans] if touch else spans)
+                    out.spans.extend(tensor_first_pages(group, [(header, tensor)], spans))
                 if quantized:
                     out.spans.extend(_scale_spans(reader, group, fqn, path, files))
             except ValueError as exc:

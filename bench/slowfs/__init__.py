@@ -57,7 +57,7 @@ With a trace file (``mount(..., trace=PATH)``, ``--trace PATH``), every served r
 is also written there as one JSON line: when it arrived and when it was answered
 (monotonic seconds, comparable with the caller's ``time.monotonic()``), the thread id
 of the process that sent it as the kernel reports it (for read-ahead, whoever started
-it), the file, the open handle, the offset and the size. Which process of a load sends
+it) and that thread's process (``pid``, -1 once it has exited), the file, the open handle, the offset and the size. Which process of a load sends
 which requests, in what order: the single-page requests a rank's hints sent for a
 column slice were found so.
 
@@ -494,7 +494,8 @@ class SlowFSOperations(_Operations):
 
         assert self._trace is not None
         tid = mfusepy.fuse_get_context()[2]
-        record = {"arrival": arrival, "done": done, "tid": tid, "file": name, "handle": fh}
+        record = {"arrival": arrival, "done": done, "tid": tid, "pid": _process_of(tid)}
+        record.update(file=name, handle=fh)
         self._trace.write(json.dumps({**record, "offset": offset, "size": size}) + "\n")
 
     def _count(self, handle: _Handle, counter: str) -> None:
@@ -549,6 +550,18 @@ class SlowFSOperations(_Operations):
                 "files": {name: dataclasses.asdict(c) for name, c in sorted(self._files.items())},
             }
         return json.dumps(stats, indent=1).encode() + b"\n"
+
+
+def _process_of(tid: int) -> int:
+    """The process (thread group) of thread ``tid``; -1 where it has gone."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return -1
 
 
 def serve(

@@ -1,0 +1,317 @@
+"""spanwarm in vLLM's weight loading: every worker asks the node's daemon for exactly the
+bytes its weight loaders will copy, and each tensor is read once it is warm.
+
+:func:`install` runs from vLLM's general plugin entry point in every process, workers
+included, before the model is built, where ``SPANWARM_VLLM=1``. It wraps two things of
+vLLM's default loader:
+
+- ``DefaultModelLoader.load_weights``: the load, from the first tensor handed out to the
+  end, during which the worker's request lives;
+- the safetensors iterator it calls (``default_loader.safetensors_weights_iterator``): on
+  its first tensor, the dry run (:mod:`.dry_run`) names this rank's reads and they are
+  requested; then each tensor waits until it is warm (or until reading it here is
+  sooner), is handed to the weight loaders, and is reported read when they ask for the
+  next one. vLLM's own whole-file prefetch (automatic on NFS and Lustre) is not started
+  beside spanwarm's request.
+
+Loads that do not go through that iterator (other load formats and strategies) get one
+log line saying so and run as they would without spanwarm. Nothing here fails a load:
+any error is one warning, and the load goes on cold.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from spanwarm.integrations.gate import GatedReads
+from spanwarm.integrations.vllm.dry_run import (
+    DryRun,
+    dry_run,
+    dry_run_budget,
+    in_dry_run,
+    meta_model,
+    meta_weights,
+)
+
+__all__ = ["install"]
+
+logger = logging.getLogger("vllm.spanwarm")  # vLLM's handler and format
+
+_WAIT_TIMEOUT_S = 300.0
+SPANS_DIR = "SPANWARM_VLLM_SPANS_DIR"  # each rank's request, as JSON: rank-<R>.json
+READ_YOURSELF = "SPANWARM_VLLM_READ_YOURSELF"  # 0: always wait for the daemon
+_LAZY = (None, "lazy")  # the strategies whose reads are the weight loaders' copies
+_installed = False
+_install_lock = threading.Lock()
+_said: set[str] = set()  # log lines said once per process
+
+
+def install() -> None:
+    """Wrap vLLM's default loader (once per process)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        from vllm.model_executor.model_loader import default_loader
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+        from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+        from vllm.model_executor.model_loader.weight_utils import _natural_sort_key
+
+        loader_class = default_loader.DefaultModelLoader
+        iterator = default_loader.safetensors_weights_iterator
+        for needed in ("get_all_weights", "load_weights"):
+            if not callable(getattr(loader_class, needed, None)):
+                raise RuntimeError(f"DefaultModelLoader.{needed} is missing")
+        default_loader.safetensors_weights_iterator = _gated_iterator(
+            iterator, _natural_sort_key, should_skip_weight
+        )
+        loader_class.load_weights = _load_weights(loader_class.load_weights)
+        BaseModelLoader.__init__ = _say_what_other_loaders_get(
+            BaseModelLoader.__init__, loader_class
+        )
+        _installed = True
+    logger.info("spanwarm: warming each rank's exact reads of safetensors checkpoints")
+
+
+class _Load:
+    """One ``load_weights`` call of a worker: its request, made on its first tensor."""
+
+    def __init__(self, loader: Any, model: Any, model_config: Any) -> None:
+        self.loader, self.model, self.model_config = loader, model, model_config
+        self.gate: GatedReads | None = None
+        self.plan: DryRun | None = None
+        self._started = False
+        self._client: Any = None
+
+    def start(self) -> GatedReads | None:
+        """On the first tensor: the dry run and the request (once; None: load cold)."""
+        if self._started:
+            return self.gate
+        self._started = True
+        if _client_disabled() and not os.environ.get(SPANS_DIR):
+            return None  # SPANWARM_DISABLE: nothing would be asked for
+        try:
+            self.plan = self._dry_run()
+            if not self.plan.exact:
+                logger.warning(
+                    "spanwarm: the dry run cannot tell this rank's reads (%s); warming the "
+                    "tensors it is handed, whole",
+                    self.plan.reason,
+                )
+            self.gate = self._request(self.plan)
+        except Exception as exc:
+            logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
+            self.gate = None
+        return self.gate
+
+    def _dry_run(self) -> DryRun:
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        loader, model_config = self.loader, self.model_config
+
+        def load() -> object:
+            shadow = meta_model(vllm_config, model_config)
+            with torch.no_grad():
+                return shadow.load_weights(loader.get_all_weights(model_config, shadow))
+
+        return dry_run(
+            load, lambda: loader.get_all_weights(model_config, self.model), budget_s=dry_run_budget()
+        )
+
+    def _request(self, plan: DryRun) -> GatedReads | None:
+        from spanwarm.client import Client
+
+        _write_spans(plan)
+        logger.info(
+            "spanwarm: rank %d reads %d tensors, %.1f MiB in %d spans (%s, %.2f s)",
+            _global_rank(),
+            len({s.tensor for s in plan.spans}),
+            sum(s.length * s.count for s in plan.spans) / 2**20,
+            len(plan.spans),
+            "dry run" if plan.exact else "whole tensors",
+            plan.seconds,
+        )
+        if not plan.spans or _client_disabled():
+            return None
+        self._client = Client(read_yourself=_read_yourself())
+        ticket = self._client.request(plan.spans, job=_job(), rank=_global_rank())
+        return GatedReads(plan.spans, ticket, _WAIT_TIMEOUT_S)
+
+    def end(self) -> None:
+        """The load is over: the request ends (the daemon drops warming only it needed)."""
+        gate = self.gate
+        try:
+            if gate is not None:
+                gate.ticket.cancel()
+                if gate.waited_s or gate.read_yourself:
+                    logger.info(
+                        "spanwarm: waited %.2f s for warm tensors; read %d tensors itself",
+                        gate.waited_s,
+                        gate.read_yourself,
+                    )
+        except Exception as exc:
+            logger.warning("spanwarm: ending the request: %s", exc)
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+
+class _Current(threading.local):
+    load: _Load | None = None
+
+
+_current = _Current()
+
+
+def _load_weights(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_weights(self: Any, model: Any, model_config: Any) -> Any:
+        try:
+            why_not = _not_warmed(self.load_config)
+        except Exception as exc:
+            why_not = f"its load settings are unknown to spanwarm ({exc})"
+        if why_not is not None:
+            _say_once(why_not)
+            return original(self, model, model_config)
+        load = _Load(self, model, model_config)
+        _current.load = load
+        try:
+            return original(self, model, model_config)
+        finally:
+            _current.load = None
+            load.end()
+
+    return load_weights
+
+
+def _gated_iterator(
+    original: Callable[..., Iterator[tuple[str, torch.Tensor]]],
+    sort_key: Callable[[str], Any],
+    skip: Callable[[str, set[int] | None], bool],
+) -> Callable[..., Iterator[tuple[str, torch.Tensor]]]:
+    @functools.wraps(original)
+    def safetensors_weights_iterator(
+        hf_weights_files: list[str],
+        use_tqdm_on_load: bool,
+        safetensors_load_strategy: str | None = None,
+        local_expert_ids: set[int] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if in_dry_run():
+            yield from meta_weights(hf_weights_files, local_expert_ids, sort_key, skip)
+            return
+        load = _current.load
+        gate = load.start() if load is not None and safetensors_load_strategy in _LAZY else None
+        # With spanwarm's request out, vLLM's own prefetch would read whole files beside it.
+        strategy = "lazy" if gate is not None else safetensors_load_strategy
+        weights = original(hf_weights_files, use_tqdm_on_load, strategy, local_expert_ids, **kwargs)
+        if gate is None:
+            yield from weights
+            return
+        for name, tensor in weights:
+            gate.before_read(name)
+            yield name, tensor
+            gate.after_read(name)  # the weight loaders have copied it: they ask for the next
+
+    return safetensors_weights_iterator
+
+
+def _not_warmed(load_config: Any) -> str | None:
+    """Why spanwarm warms nothing for a default-loader load with these settings (None:
+    it does)."""
+    load_format = str(getattr(load_config, "load_format", "auto"))
+    load_format = getattr(load_config.load_format, "value", load_format)
+    extra = getattr(load_config, "model_loader_extra_config", None) or {}
+    strategy = getattr(load_config, "safetensors_load_strategy", None)
+    if load_format not in ("auto", "safetensors", "hf"):
+        return f"load format {load_format!r} reads through its own reader: spanwarm warms nothing"
+    if extra.get("enable_multithread_load"):
+        return "multithreaded loading reads whole files: spanwarm warms nothing"
+    if strategy not in _LAZY:
+        return (
+            f"safetensors load strategy {strategy!r} reads whole files itself: "
+            "spanwarm warms nothing"
+        )
+    return None
+
+
+def _say_what_other_loaders_get(
+    original: Callable[..., None], default_class: type
+) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, load_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, load_config, *args, **kwargs)
+        if not isinstance(self, default_class):
+            fmt = getattr(load_config, "load_format", "?")
+            _say_once(
+                f"load format {fmt!r} ({type(self).__name__}) reads through its own "
+                "reader: spanwarm warms nothing"
+            )
+
+    return __init__
+
+
+def _write_spans(plan: DryRun) -> None:
+    """Where ``SPANWARM_VLLM_SPANS_DIR`` names a directory, this rank's request goes to
+    ``rank-<R>.json`` there: what it reads, as the dry run found it."""
+    directory = os.environ.get(SPANS_DIR)
+    if not directory:
+        return
+    rank = _global_rank()
+    record = {
+        "rank": rank,
+        "exact": plan.exact,
+        "reason": plan.reason,
+        "dry_run_s": plan.seconds,
+        "handed_out": [item.name for item in plan.handed_out],
+        "spans": [[s.tensor, s.path, s.offset, s.length, s.stride, s.count] for s in plan.spans],
+    }
+    path = os.path.join(directory, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_yourself() -> bool:
+    return os.environ.get(READ_YOURSELF, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _client_disabled() -> bool:
+    return os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        logger.info("spanwarm: %s", line)
+
+
+def _job() -> str:
+    """One job per vLLM instance: its workers are the job's ranks."""
+    from vllm.config import get_current_vllm_config
+
+    instance = getattr(get_current_vllm_config(), "instance_id", "") or str(os.getppid())
+    return f"vllm-{instance}"
+
+
+def _global_rank() -> int:
+    """The worker's rank across the instance's data-parallel replicas."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    try:
+        from vllm.config import get_current_vllm_config
+
+        parallel = get_current_vllm_config().parallel_config
+        return int(parallel.data_parallel_rank) * int(parallel.world_size) + int(rank)
+    except Exception:
+        return int(rank)

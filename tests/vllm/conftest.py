@@ -1,0 +1,2 @@
+"""vLLM's tests run in a virtualenv of their own (``make test`` makes it: vLLM's pins
+differ from ours); in any other they are not collected (see tests/conftest.py)."""

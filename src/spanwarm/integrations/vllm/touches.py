@@ -19,7 +19,7 @@ from the real load's; the elements read before it are still exact).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ __all__ = ["Region", "TouchRecorder", "region_spans"]
 # A region of more than this many strided spans is recorded as its envelope instead.
 _MAX_SPANS_PER_REGION = 4096
 # Values a loader can ask of a tensor: recorded, answered with a stand-in on meta.
-_VALUES = {
+_VALUES: dict[Any, Callable[[torch.Tensor], Any]] = {
     torch.Tensor.item: lambda t: 1.0 if t.dtype.is_floating_point else 1,
     torch.Tensor.tolist: lambda t: torch.ones(t.shape, dtype=torch.int64).tolist(),
     torch.Tensor.__bool__: lambda t: True,
@@ -134,9 +134,9 @@ class TouchRecorder(TorchFunctionMode):
             itemsize = t.element_size()
             handed.regions.append(
                 Region(
-                    offset=t.storage_offset() * itemsize,
-                    sizes=tuple(t.shape),
-                    strides=tuple(s * itemsize for s in t.stride()),
+                    offset=int(t.storage_offset()) * itemsize,
+                    sizes=tuple(int(n) for n in t.shape),
+                    strides=tuple(int(s) * itemsize for s in t.stride()),
                     itemsize=itemsize,
                 )
             )

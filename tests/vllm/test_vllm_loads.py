@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from spanwarm.integrations.vllm.whatif import Layout, deployment_spans
 from spanwarm.residency import PAGE
 from spanwarm.safetensors_header import read_header
 from tests.daemon_harness import running_daemon
@@ -29,7 +30,7 @@ from tests.vllm.tiny_vllm_models import write_dense, write_moe
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVE = Path(__file__).with_name("serve_once.py")
+SERVE = Path(__file__).parents[2] / "bench" / "vllm_serve.py"
 SERIAL_PLUGIN = Path(__file__).with_name("serial_plugin")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _RANK_LINE = re.compile(r"pid=(\d+)\).*spanwarm: rank (\d+) reads")
@@ -68,7 +69,7 @@ def traced(tmp_path: Path) -> Iterator[Any]:
 def serve(
     model: Path, spans_dir: Path, *args: str, serial: bool = False, **env: str
 ) -> tuple[dict[str, Any], str]:
-    """Run serve_once.py; returns its JSON line (or {} where it died after loading) and
+    """Run bench/vllm_serve.py; returns its JSON line (or {} where it died after loading) and
     its log. ``serial``: the ranks load one after another, each from a cold page cache
     (serial_plugin/serial_loads.py), so that each rank's reads are all its own."""
     spans_dir.mkdir(exist_ok=True)
@@ -133,6 +134,28 @@ def without_headers(pages: dict[str, set[int]], model: Path) -> dict[str, set[in
     return out
 
 
+def recorded_spans(spans_dir: Path) -> dict[int, list[list[Any]]]:
+    """Each rank's request as the plugin wrote it, file paths by name."""
+    out = {}
+    for path in spans_dir.glob("rank-*.json"):
+        record = json.loads(path.read_text())
+        out[record["rank"]] = [[t, os.path.basename(f), *rest] for t, f, *rest in record["spans"]]
+    return out
+
+
+def what_if(model: Path, layout: Layout) -> dict[int, list[list[Any]]]:
+    """What ``spanwarm plan --vllm`` finds each rank of ``layout`` reads, with no server
+    (file paths by name: the server read the mount, the what-if the source)."""
+    per_rank = deployment_spans(str(model), layout, list(range(layout.world)))
+    return {
+        rank: [
+            [s.tensor, os.path.basename(s.path), s.offset, s.length, s.stride, s.count]
+            for s in spans
+        ]
+        for rank, spans in per_rank.items()
+    }
+
+
 def assert_exact(spans_dir: Path, trace: Path, log: str, model: Path, ranks: int) -> None:
     requested = requested_pages(spans_dir)
     touched = touched_pages(trace, log)
@@ -159,6 +182,8 @@ def test_tp2_dense_requests_exactly_what_each_rank_reads_and_loads_it_warm(
     # Every rank's view of its reads differs (TP2 splits; replicated norms are in both).
     requested = requested_pages(tmp_path / "cold")
     assert requested[0] != requested[1]
+    # The what-if, with no server: the same requests.
+    assert what_if(model, Layout(tp=2)) == recorded_spans(tmp_path / "cold")
 
     # Warm, with a real daemon: the ranks fault in nothing themselves.
     mounted, trace = traced(model)
@@ -190,6 +215,8 @@ def test_moe_tp2_ep_requests_only_local_experts(
     flags = ["--tp", "2", "--ep", "--no-generate", *(["--ep-filter"] if ep_filter else [])]
     _, log = serve(mounted, tmp_path / "cold", *flags, serial=True, SPANWARM_DISABLE="1")
     assert_exact(tmp_path / "cold", trace, log, model, ranks=2)
+    layout = Layout(tp=2, ep=True, ep_filter=ep_filter)
+    assert what_if(model, layout) == recorded_spans(tmp_path / "cold")
     for rank, local in ((0, {0, 1, 2, 3}), (1, {4, 5, 6, 7})):
         record = json.loads((tmp_path / "cold" / f"rank-{rank}.json").read_text())
         asked: dict[str, int] = {}

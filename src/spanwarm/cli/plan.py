@@ -27,6 +27,8 @@ examples:
       --place 'down_proj=[Replicate(),Shard(1)]'
   # a transformers model directory: placements come from transformers itself
   spanwarm plan ./Mixtral-8x7B --fsdp 16 --ep 4 --local-world 4 --node 2
+  # a vLLM deployment (vLLM installed; no GPU): TP4 x PP2 over two nodes of 4
+  spanwarm plan ./Qwen3-30B-A3B --vllm --tp 4 --pp 2 --ep 4 --local-world 4 --node 1
 """
 
 
@@ -93,6 +95,15 @@ def add_parser(commands: Any) -> None:
             flag, type=int, metavar="N", help=f"transformers {what} size (model directories)"
         )
     parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="plan a vLLM server's ranks (--tp, --pp, --dp; --ep N: expert parallel over "
+        "the TP ranks, N = TP), from the dry run its workers run (vLLM installed)",
+    )
+    parser.add_argument("--pp", type=int, metavar="N", help="vLLM pipeline parallel size")
+    parser.add_argument("--dp", type=int, metavar="N", help="vLLM data parallel replicas")
+    parser.add_argument("--ep-filter", action="store_true", help="vLLM's --enable-ep-weight-filter")
+    parser.add_argument(
         "--seek-cost",
         type=size,
         default=DEFAULT_SEEK_COST,
@@ -147,6 +158,35 @@ def _transformers_plan(args: argparse.Namespace, checkpoint: Checkpoint) -> Node
     spans = (s for rank_spans in per_rank.values() for s in rank_spans)
     return plan_node_spans(
         checkpoint, spans, node=args.node, ranks=list(ranks), seek_cost=args.seek_cost
+    )
+
+
+def _vllm_plan(args: argparse.Namespace) -> NodePlan:
+    """Every rank of the node as a vLLM worker reads: the plugin's dry run, per rank."""
+    from spanwarm.integrations.vllm.whatif import Layout, deployment_spans
+
+    if args.place or args.mesh or args.fsdp or args.dp_replicate:
+        raise ValueError("--vllm plans --tp, --pp, --dp and --ep only")
+    tp = args.tp or 1
+    if args.ep is not None and args.ep != tp:
+        raise ValueError(f"vLLM's expert parallel size is its TP size ({tp}), not {args.ep}")
+    layout = Layout(tp, args.pp or 1, args.dp or 1, args.ep is not None, args.ep_filter)
+    layout.check()
+    if args.world is not None and args.world != layout.world:
+        raise ValueError(f"{args.world} ranks in all, but the layout makes {layout.world}")
+    if args.local_world < 1 or layout.world % args.local_world:
+        raise ValueError(f"--local-world {args.local_world} does not divide {layout.world} ranks")
+    if not 0 <= args.node < layout.world // args.local_world:
+        raise ValueError(f"--node {args.node} is outside 0..{layout.world // args.local_world - 1}")
+    ranks = list(range(args.node * args.local_world, (args.node + 1) * args.local_world))
+    model = os.path.abspath(args.checkpoint)
+    try:
+        per_rank = deployment_spans(model, layout, ranks)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
+    spans = (s for rank_spans in per_rank.values() for s in rank_spans)
+    return plan_node_spans(
+        open_checkpoint(model), spans, node=args.node, ranks=ranks, seek_cost=args.seek_cost
     )
 
 
@@ -213,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
                     f"{args.local_world}"
                 )
             args.world = implied
-        if _is_dcp(args.checkpoint):
+        if args.vllm:
+            plan = _vllm_plan(args)
+        elif _is_dcp(args.checkpoint):
             plan = _dcp_plan(args)
         elif any(getattr(args, flag) is not None for flag in _SIZES):
             plan = _transformers_plan(args, open_checkpoint(args.checkpoint))

@@ -44,6 +44,7 @@ __all__ = [
     "HandedOut",
     "dry_run",
     "in_dry_run",
+    "loader_dry_run",
     "meta_model",
     "meta_weights",
     "whole_tensors",
@@ -216,6 +217,24 @@ def whole_tensors(handed_out: list[HandedOut]) -> list[TensorSpans]:
             )
         )
     return out
+
+
+def loader_dry_run(
+    loader: Any, model_config: Any, vllm_config: Any, model: Any, *, budget_s: float | None = None
+) -> DryRun:
+    """The reads of ``loader.load_weights(model, model_config)`` in this worker (its
+    parallel groups set up, ``vllm_config`` current), with a meta twin of ``model``."""
+
+    def load() -> object:
+        shadow: Any = meta_model(vllm_config, model_config)
+        with torch.no_grad():
+            return shadow.load_weights(loader.get_all_weights(model_config, shadow))
+
+    return dry_run(
+        load,
+        lambda: loader.get_all_weights(model_config, model),
+        budget_s=dry_run_budget() if budget_s is None else budget_s,
+    )
 
 
 def meta_model(vllm_config: Any, model_config: Any) -> torch.nn.Module:

@@ -32,14 +32,7 @@ from typing import Any
 import torch
 
 from spanwarm.integrations.gate import GatedReads
-from spanwarm.integrations.vllm.dry_run import (
-    DryRun,
-    dry_run,
-    dry_run_budget,
-    in_dry_run,
-    meta_model,
-    meta_weights,
-)
+from spanwarm.integrations.vllm.dry_run import DryRun, in_dry_run, loader_dry_run, meta_weights
 
 __all__ = ["install"]
 
@@ -91,6 +84,10 @@ class _Load:
         self._started = False
         self._client: Any = None
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
     def start(self) -> GatedReads | None:
         """On the first tensor: the dry run and the request (once; None: load cold)."""
         if self._started:
@@ -115,19 +112,7 @@ class _Load:
     def _dry_run(self) -> DryRun:
         from vllm.config import get_current_vllm_config
 
-        vllm_config = get_current_vllm_config()
-        loader, model_config = self.loader, self.model_config
-
-        def load() -> object:
-            shadow: Any = meta_model(vllm_config, model_config)
-            with torch.no_grad():
-                return shadow.load_weights(loader.get_all_weights(model_config, shadow))
-
-        return dry_run(
-            load,
-            lambda: loader.get_all_weights(model_config, self.model),
-            budget_s=dry_run_budget(),
-        )
+        return loader_dry_run(self.loader, self.model_config, get_current_vllm_config(), self.model)
 
     def _request(self, plan: DryRun) -> GatedReads | None:
         from spanwarm.client import Client
@@ -191,6 +176,8 @@ def _load_weights(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _current.load = None
             load.end()
+            if not load.started:
+                _say_once("no safetensors files in this load: spanwarm warms nothing")
 
     return load_weights
 
@@ -234,7 +221,7 @@ def _not_warmed(load_config: Any) -> str | None:
     load_format = getattr(load_config.load_format, "value", load_format)
     extra = getattr(load_config, "model_loader_extra_config", None) or {}
     strategy = getattr(load_config, "safetensors_load_strategy", None)
-    if load_format not in ("auto", "safetensors", "hf"):
+    if load_format not in ("auto", "safetensors", "hf", "mistral"):
         return f"load format {load_format!r} reads through its own reader: spanwarm warms nothing"
     if extra.get("enable_multithread_load"):
         return "multithreaded loading reads whole files: spanwarm warms nothing"

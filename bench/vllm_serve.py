@@ -1,6 +1,6 @@
 """Start a vLLM engine on CPU (``vllm.LLM``), generate a few tokens, print them as JSON.
 
-``python serve_once.py MODEL --tp N [--pp N] [--ep] [--no-generate]``: the last line of
+``python bench/vllm_serve.py MODEL --tp N [--pp N] [--ep] [--no-generate]``: the last line of
 stdout is ``{"tokens": [...], "start_s": ...}``. Run as its own process: vLLM spawns its
 workers, and the plugin (``SPANWARM_VLLM``) is switched by the environment.
 """

@@ -1,0 +1,199 @@
+"""A cold vLLM server start, TP2 on one node, with and without spanwarm.
+
+    .venv-vllm/bin/python bench/bench_vllm_load.py [--mounts local,cross-region] [--reps 2]
+
+Runs in the vLLM environment (``make .venv-vllm/.installed``). A random dense Llama of
+about 0.4 GB in 4 safetensors shards (written once under ``--work``) is served by the
+emulated mount (``bench.slowfs``: ``local`` passes reads straight through, ``cross-region``
+adds the seed's 50 ms a seek and 0.24 GiB/s a stream), mounted once per mount kind and
+evicted from the page cache before every run (checked with mincore). Each run is one
+``vllm.LLM(...)`` start on CPU, TP2, then 8 tokens generated. Before the measured runs,
+one ``spanwarm`` start (not measured) is the node's first on the mount: the daemon
+learns the mount's throughput from it, as on a node whose first server has started.
+Arms, interleaved per repetition:
+
+- ``default``: vLLM's default loader (zero-copy views of the mapping, read as its weight
+  loaders copy);
+- ``prefetch``: ``--safetensors-load-strategy prefetch`` (whole files, split by rank);
+- ``spanwarm``: the default loader with ``SPANWARM_VLLM=1`` and a daemon on the node.
+
+Reported per arm (medians): the whole ``LLM(...)`` start, the weights' load as vLLM logs
+it ("Loading weights took", the slowest rank), bytes read from storage (the mount's
+counter), and the checkpoint's page cache right after the start. ``touched``: the pages
+the node's ranks read, from the dry run (exact: tests/vllm); ``dry run s``: its time in
+the slowest rank. Tokens must be equal in every run. ``--json PATH`` writes every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.slowfs import fuse_available, mount
+from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.residency import PAGE, evict, resident_bytes
+
+SERVE = Path(__file__).with_name("vllm_serve.py")
+ARMS = ("default", "prefetch", "spanwarm")
+_WEIGHTS = re.compile(r"Loading weights took ([0-9.]+) seconds")
+_DRY_RUN = re.compile(r"spanwarm: rank \d+ reads .*\(dry run, ([0-9.]+) s\)")
+
+
+def write_model(directory: Path) -> Path:
+    """A dense Llama of about 0.4 GB (bf16), in 4 shards; kept between runs."""
+    if (directory / "config.json").exists():
+        return directory
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="120MB")
+    return directory
+
+
+def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, Any]:
+    """One cold start of ``arm`` on mount ``fs`` of ``model``."""
+    spans = Path(tempfile.mkdtemp(prefix="spans-", dir=work))
+    env = {**os.environ, "SPANWARM_VLLM": "0", "PYTHONPATH": str(SERVE.parents[1])}
+    args = ["--tp", "2"]
+    if arm == "prefetch":
+        args += ["--load-strategy", "prefetch"]
+    elif arm == "spanwarm":
+        env.update(SPANWARM_VLLM="1", SPANWARM_SOCKET=socket, SPANWARM_VLLM_SPANS_DIR=str(spans))
+    files = [fs.path(p.name) for p in sorted(model.glob("*.safetensors"))]
+    for path in files:
+        evict(path)
+    before = fs.stats()["bytes"]
+    done = subprocess.run(
+        [sys.executable, str(SERVE), str(fs.path("")), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    log = done.stdout + done.stderr
+    result = [line for line in done.stdout.splitlines() if line.startswith('{"tokens"')]
+    if done.returncode or not result:
+        raise RuntimeError(f"{arm} failed:\n{log[-4000:]}")
+    cached = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            cached += resident_bytes(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    out = json.loads(result[-1])
+    record = {
+        "arm": arm,
+        "start_s": out["start_s"],
+        "weights_s": max(float(s) for s in _WEIGHTS.findall(log)),
+        "read_bytes": fs.stats()["bytes"] - before,
+        "cached_bytes": cached,
+        "tokens": out["tokens"],
+    }
+    if arm == "spanwarm":
+        record["touched_bytes"] = touched_bytes(spans)
+        record["dry_run_s"] = max((float(s) for s in _DRY_RUN.findall(log)), default=None)
+    return record
+
+
+def touched_bytes(spans_dir: Path) -> int:
+    """Bytes of the pages the node's ranks read (the union of their requests, in pages)."""
+    pages: set[tuple[str, int]] = set()
+    for path in spans_dir.glob("rank-*.json"):
+        for _, file, offset, length, stride, count in json.loads(path.read_text())["spans"]:
+            for row in range(count):
+                start = offset + row * stride
+                pages.update(
+                    (file, p) for p in range(start // PAGE, (start + length - 1) // PAGE + 1)
+                )
+    return len(pages) * PAGE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mounts", default="local,cross-region")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp/spanwarm-bench/vllm"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if (reason := fuse_available()) is not None:
+        sys.exit(f"the emulated mount is not available: {reason}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = write_model(args.work / "model")
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    print(f"model: {size / 2**20:.0f} MiB in {len(list(model.glob('*.safetensors')))} files")
+    runs: list[dict[str, Any]] = []
+    with spawn_daemon() as daemon:
+        for preset in args.mounts.split(","):
+            with mount(model, args.work / "mnt", preset) as fs:
+                run("spanwarm", fs, model, daemon.socket, args.work)  # the node's first
+                for rep in range(args.reps):
+                    for arm in args.arms.split(","):
+                        record = {"mount": preset, "rep": rep}
+                        record.update(run(arm, fs, model, daemon.socket, args.work))
+                        runs.append(record)
+                        print(json.dumps(record), flush=True)
+    tokens = {tuple(r["tokens"]) for r in runs}
+    print(f"tokens equal in every run: {len(tokens) == 1}")
+    print(summary(runs))
+    if args.json:
+        args.json.write_text(json.dumps({"model_bytes": size, "runs": runs}, indent=1))
+
+
+def summary(runs: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mount | arm | start s | weights s | read MiB | page cache MiB | default / arm: start "
+        "| weights |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for preset in dict.fromkeys(r["mount"] for r in runs):
+        of = [r for r in runs if r["mount"] == preset]
+        base = statistics.median(r["start_s"] for r in of if r["arm"] == "default")
+        base_w = statistics.median(r["weights_s"] for r in of if r["arm"] == "default")
+        for arm in dict.fromkeys(r["arm"] for r in of):
+            mine = [r for r in of if r["arm"] == arm]
+            start = statistics.median(r["start_s"] for r in mine)
+            weights = statistics.median(r["weights_s"] for r in mine)
+            lines.append(
+                f"| {preset} | {arm} | {start:.1f} "
+                f"| {weights:.2f} "
+                f"| {statistics.median(r['read_bytes'] for r in mine) / 2**20:.0f} "
+                f"| {statistics.median(r['cached_bytes'] for r in mine) / 2**20:.0f} "
+                f"| {base / start:.2f} | {base_w / weights:.2f} |"
+            )
+        touched = [r["touched_bytes"] for r in of if "touched_bytes" in r]
+        if touched:
+            dry = max(r["dry_run_s"] or 0 for r in of if "dry_run_s" in r)
+            lines.append(
+                f"| {preset} | touched by the ranks (dry run {dry:.2f} s) | | "
+                f"| {touched[0] / 2**20:.0f} | | | |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -148,6 +148,27 @@ def test_a_failing_read_fails_the_load_as_without_spanwarm(hf_dir: Path, daemon:
     assert "_process_read_request" not in vars(reader.reader)
 
 
+def test_any_error_in_spanwarm_leaves_the_load_going_cold(
+    hf_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client of another shape (no ``disabled``, a ``request`` that raises): every
+    ``dcp.load`` still loads, with one warning, and nothing is requested."""
+
+    class Broken:
+        def request(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the client broke")
+
+    reader = PrefetchReader(HuggingFaceStorageReader(str(hf_dir)), client=Broken())  # type: ignore[arg-type]
+    state = _zeros()
+    with caplog.at_level(logging.WARNING, logger="spanwarm"):
+        dcp_load(state, storage_reader=reader, no_dist=True)
+    assert _equal(state)
+    assert reader.loads == []
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "loading without prefetch" in warning
+    assert "disabled" in warning  # the attribute the client lacked, named
+
+
 def test_spanwarm_disable_requests_nothing(
     hf_dir: Path, daemon: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

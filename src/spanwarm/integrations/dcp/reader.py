@@ -18,10 +18,10 @@ are not known) the load is exactly the wrapped reader's, after at most one warni
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,16 +124,25 @@ class PrefetchReader(StorageReader):
         if load is None:
             return self.reader.read_data(plan, planner)
         try:
-            with _gated(self.reader, load, plan, planner) as gated_planner:
+            with contextlib.ExitStack() as gate:
+                try:
+                    gated_planner = gate.enter_context(_gated(self.reader, load, plan, planner))
+                except Exception as exc:  # a reader of another shape: read it unwaited
+                    logger.warning("spanwarm: cannot gate this load's reads (%s)", exc)
+                    gated_planner = planner
                 return self.reader.read_data(plan, gated_planner)
         finally:
-            load.ticket.cancel()  # the load is over: release whatever it still holds
+            try:
+                load.ticket.cancel()  # the load is over: release whatever it still holds
+            except Exception as exc:  # the load's own outcome stands
+                logger.warning("spanwarm: ending the request: %s", exc)
 
     def _request(self, plan: Any) -> DcpLoad | None:
-        """Request this plan's bytes; None when the load goes on without prefetch."""
-        if self.client.disabled or not plan.items:
-            return None
+        """Request this plan's bytes; None when the load goes on without prefetch. Any
+        error in here (a client object of another shape included) is one warning."""
         try:
+            if self.client.disabled or not plan.items:
+                return None
             reads: PlanReads | None = plan_reads(self.reader, plan)
             if reads is None:
                 logger.warning(
@@ -173,7 +182,7 @@ class _CommitReports:
         return getattr(self._planner, name)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _gated(reader: Any, load: DcpLoad, plan: Any, planner: Any) -> Iterator[Any]:
     """Gate ``reader``'s per-item reads on readiness while the block runs (instance
     attributes, removed after); yields the planner to hand to its ``read_data``. A load

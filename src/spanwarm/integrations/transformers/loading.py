@@ -88,14 +88,15 @@ class Prefetch:
     def start(
         self, model: Any, state_dict: Any, checkpoint_files: Sequence[str] | None, load_config: Any
     ) -> LoadRecord | None:
-        """Request this rank's spans for a load about to start; None if it is not ours."""
-        if not self.active or state_dict is not None or not checkpoint_files:
-            return None
-        if not all(str(f).endswith(".safetensors") for f in checkpoint_files):
-            return None
-        if getattr(model.config, "distributed_config", None) is None:
-            return None
+        """Request this rank's spans for a load about to start; None if it is not ours (or
+        anything in here fails: one warning, and the load goes on cold)."""
         try:
+            if not self.active or state_dict is not None or not checkpoint_files:
+                return None
+            if not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+                return None
+            if getattr(model.config, "distributed_config", None) is None:
+                return None
             whole_files = _reads_whole_files(checkpoint_files, load_config)
             spans = _load_spans(model, checkpoint_files, load_config, whole_files)
             ticket = self.client.request(spans, job=self.job)
@@ -208,7 +209,10 @@ def _install() -> None:
             return load(model, state_dict, checkpoint_files, load_config, *a, **kw)
         finally:
             _state.record = None
-            record.ticket.cancel()  # the load is over: release whatever it still holds
+            try:
+                record.ticket.cancel()  # the load is over: release whatever it still holds
+            except Exception as exc:  # the load's own outcome stands
+                logger.warning("spanwarm: ending the request: %s", exc)
 
     def convert_and_load(*args: Any, **kwargs: Any) -> Any:
         record: LoadRecord | None = getattr(_state, "record", None)

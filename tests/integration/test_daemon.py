@@ -725,3 +725,34 @@ def test_a_load_cancelled_right_after_its_last_report_leaves_no_thread(tmp_path:
         while reporters() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert reporters() == 0
+
+
+def test_names_reach_the_status_table_as_plain_escaped_text(tmp_path: Path) -> None:
+    """A job or file name is the user's: terminal escapes, markup, links and line breaks in
+    it reach root's ``spanwarm status`` written out, never acted on."""
+    import subprocess
+    import sys
+
+    hostile = "\x1b]0;owned\x07\x1b[2J\n[red]fake row [link=x]y\u202e"  # a file name: no "/"
+    path = cold_file(tmp_path / f"f{hostile}.bin", MiB)
+    with running_daemon() as daemon:
+        client = Client(daemon.socket, read_yourself=False)
+        ticket = client.request([TensorSpans("t", str(path), 0, MiB, MiB, 1)], job=hostile)
+        assert ticket.wait(timeout=30)
+        table = subprocess.run(
+            [sys.executable, "-m", "spanwarm", "status", "--socket", daemon.socket],
+            capture_output=True,
+            timeout=60,
+            check=True,
+            env={**os.environ, "COLUMNS": "400", "FORCE_COLOR": "1"},
+        )
+        ticket.cancel()
+        client.close()
+    out = table.stdout.decode()
+    shown = "\\x1b]0;owned\\x07\\x1b[2J\\n[red]fake row [link=x]y\\u202e"
+    assert out.count(shown) == 2  # the job in the ranks table, the file in the files table
+    assert "\x07" not in out
+    assert "\u202e" not in out
+    assert "\x1b]" not in out  # no OSC: no title, no hyperlink
+    assert "\x1b[2J" not in out
+    assert not any(line.startswith("[red]fake row") for line in out.splitlines())

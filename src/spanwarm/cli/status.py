@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import threading
+import unicodedata
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
 from spanwarm.client import Client
 from spanwarm.client.access import EndpointUnsafe
@@ -31,6 +33,20 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def shown(value: object) -> Text:
+    """A value a user named (a job, a file, a mount) as plain text for root's terminal:
+    no markup, no links, and every control or format character (escapes, newlines,
+    bidirectional overrides) written out as its escape, so no name can move the cursor,
+    retitle the window or draw a row of its own."""
+    return Text("".join(_visible(c) for c in str(value)), no_wrap=False)
+
+
+def _visible(c: str) -> str:
+    if unicodedata.category(c)[0] == "C" or c in "\u2028\u2029":
+        return c.encode("unicode_escape").decode("ascii")
+    return c
+
+
 def _rate(bytes_per_s: float) -> str:
     return f"{format_bytes(int(bytes_per_s))}/s"
 
@@ -38,24 +54,25 @@ def _rate(bytes_per_s: float) -> str:
 def render(status: dict[str, Any]) -> Group:
     """The status as rich renderables: a summary line, ranks with progress bars, files."""
     planned, warm = status["bytes_planned"], status["bytes_warm"]
-    summary = (
+    lines = [
         f"spanwarm {status['version']}  up {status['uptime_s']:.0f} s  method {status['method']}  "
-        f"{status['workers']} workers\n"
+        f"{status['workers']} workers",
         f"planned {format_bytes(planned)}  warm {format_bytes(warm)}  "
         f"requested {format_bytes(status['bytes_requested'])}  "
         f"read {format_bytes(status['bytes_read_total'])}  "
-        f"already resident {format_bytes(status['bytes_verified_total'])}\n"
+        f"already resident {format_bytes(status['bytes_verified_total'])}",
         f"{_rate(status['throughput_bytes_per_s'])}  ETA {status['eta_s']:.1f} s  "
-        f"queue {status['queue_depth']}  in flight {status['in_flight']}\n"
+        f"queue {status['queue_depth']}  in flight {status['in_flight']}",
         f"budget {format_bytes(status['budget_bytes'])}, held {format_bytes(status['held_bytes'])}"
-        + (f"  waiting: {status['waiting_reason']}" if status["waiting_for_budget"] else "")
-    )
+        + (f"  waiting: {status['waiting_reason']}" if status["waiting_for_budget"] else ""),
+    ]
+    summary = Text("\n").join(shown(line) for line in lines)
     ranks = Table("job", "rank", "tensors", "", "bytes ready", title="ranks", title_justify="left")
     for r in status["ranks"]:
         done = r["groups_ready"] + r["groups_failed"]
         ranks.add_row(
-            r["job"],
-            str(r["rank"]),
+            shown(r["job"]),
+            shown(r["rank"]),
             f"{r['groups_ready']}/{r['groups']}"
             + (f" ({r['groups_failed']} failed)" if r["groups_failed"] else ""),
             ProgressBar(total=max(r["groups"], 1), completed=done, width=30),
@@ -74,11 +91,11 @@ def render(status: dict[str, Any]) -> Group:
     )
     for f in status["files"]:
         files.add_row(
-            f["path"],
+            shown(f["path"]),
             format_bytes(f["size_bytes"]),
             format_bytes(f["needed_bytes"]),
             str(f["num_runs"]),
-            f["decision"],
+            shown(f["decision"]),
             ProgressBar(total=max(f["warm_bytes"], 1), completed=f["warm_now_bytes"], width=20),
             f"{format_bytes(f['warm_now_bytes'])} of {format_bytes(f['warm_bytes'])}",
         )
@@ -94,7 +111,7 @@ def render(status: dict[str, Any]) -> Group:
         rate, seek_cost = m["stream_bytes_per_s"], m.get("seek_cost_bytes", 0)
         again = " (probed again when idle)" if seek_cost and m.get("seek_probe_due") else ""
         mounts.add_row(
-            m["mount"],
+            shown(m["mount"]),
             _rate(rate) if rate else "not known yet",
             format_bytes(m["sampled_bytes"]),
             format_bytes(seek_cost) + again if seek_cost else "not yet",

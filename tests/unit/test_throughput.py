@@ -137,3 +137,39 @@ def test_a_rank_waits_no_longer_than_a_lone_stream_reads(tmp_path: Path) -> None
             entry["lone_bytes_per_s"] = damaged
         (tmp_path / "devices.json").write_text(json.dumps(document))
         assert StreamThroughput(str(tmp_path)).snapshot() == [], damaged
+
+
+def test_a_symlink_in_place_of_the_state_directory_is_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user plants a symlink where the state directory goes: the daemon neither
+    writes through it nor reads what it points to."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "state").symlink_to(elsewhere)
+    learned = StreamThroughput(str(tmp_path / "state"))
+    for _ in range(4):
+        learned.record(os.makedev(0, 52), 4 << 20, 0.02)
+    learned.save()
+    assert list(elsewhere.iterdir()) == []
+    assert "cannot keep learned throughput" in caplog.text
+    # One the daemon wrote itself, behind the symlink, is not read either.
+    StreamThroughput(str(elsewhere)).save()
+    first = StreamThroughput(str(elsewhere))
+    first.record(os.makedev(0, 52), 4 << 20, 0.02)
+    first.save()
+    assert (elsewhere / "devices.json").exists()
+    assert StreamThroughput(str(tmp_path / "state")).snapshot() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
+def test_a_state_directory_another_user_owns_or_may_write_is_refused(tmp_path: Path) -> None:
+    for owner, mode in ((65534, 0o700), (os.geteuid(), 0o777)):
+        state = tmp_path / f"state-{owner}-{mode:o}"
+        state.mkdir()
+        os.chown(state, owner, -1)
+        state.chmod(mode)
+        learned = StreamThroughput(str(state))
+        learned.record(os.makedev(0, 52), 4 << 20, 0.02)
+        learned.save()
+        assert list(state.iterdir()) == []

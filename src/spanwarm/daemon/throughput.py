@@ -41,16 +41,19 @@ half their tensors and read them one slow request at a time (measured: 36 of 75 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
 import os
-import tempfile
+import secrets
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from spanwarm.endpoint import unsafe_directory
 from spanwarm.seek_cost import MAX_SEEK_COST
 
 __all__ = [
@@ -135,6 +138,34 @@ class _Mount:
         return rate if math.isfinite(rate) and rate <= _MAX_RATE else 0.0
 
 
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FILE = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def state_directory(path: str, *, create: bool) -> int:
+    """A descriptor of the state directory ``path`` (made 0700 if ``create`` and missing),
+    opened without following a symlink in its place, and only where no other user could
+    change what it holds: the daemon's own, writable by nobody else, in directories
+    nobody else can swap entries of (:func:`~spanwarm.endpoint.unsafe_directory`). A root
+    daemon writes there: a symlink another user planted must not lead it elsewhere."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if create:
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    reason = unsafe_directory(parent)
+    if reason is not None:
+        raise PermissionError(errno.EPERM, f"not a safe place for state: {reason}")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise PermissionError(
+            errno.EPERM, f"{path} is not the daemon's own directory, or others may write in it"
+        )
+    return fd
+
+
 class StreamThroughput:
     """Per mount: bytes per second of one stream of cold reads (thread-safe), kept in
     ``state_dir`` (None: not kept)."""
@@ -149,7 +180,7 @@ class StreamThroughput:
         self._dirty = False
         self.state_dir = state_dir
         if state_dir:
-            self._load(os.path.join(state_dir, _STATE_FILE))
+            self._load(state_dir)
 
     def name(self, device: int) -> str:
         with self._lock:
@@ -268,26 +299,43 @@ class StreamThroughput:
                 },
             }
         try:
-            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".devices-", dir=self.state_dir)
+            directory = state_directory(self.state_dir, create=True)
+        except OSError as exc:
+            logger.warning("cannot keep learned throughput in %s: %s", self.state_dir, exc)
+            return
+        tmp = f".devices-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(tmp, _NEW_FILE, 0o600, dir_fd=directory)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump(document, f)
-                os.replace(tmp, os.path.join(self.state_dir, _STATE_FILE))
+                os.replace(tmp, _STATE_FILE, src_dir_fd=directory, dst_dir_fd=directory)
             except BaseException:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=directory)
                 raise
         except OSError as exc:
             logger.warning("cannot keep learned throughput in %s: %s", self.state_dir, exc)
+        finally:
+            os.close(directory)
 
-    def _load(self, path: str) -> None:
+    def _load(self, state_dir: str) -> None:
+        path = os.path.join(state_dir, _STATE_FILE)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            directory = state_directory(state_dir, create=False)
         except FileNotFoundError:
             return
         except OSError as exc:
             logger.warning("ignoring %s: %s", path, exc)
             return
+        try:
+            fd = os.open(_STATE_FILE, _READ_FILE, dir_fd=directory)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            logger.warning("ignoring %s: %s", path, exc)
+            return
+        finally:
+            os.close(directory)
         try:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())

@@ -246,16 +246,18 @@ def measure_seek_cost(
     chunk_bytes: int = CHUNK,
     read: list[tuple[int, int, int]] | None = None,
     touch: Callable[[int], object] = lambda index: None,
+    forget: Callable[[int, int, int], object] = lambda index, start, stop: None,
 ) -> SeekCost:
     """Read what ``plan`` names through ``fds`` (one stream each, the files it was planned
     on; the caller sets ``POSIX_FADV_RANDOM``) and price a seek. Each place is checked
     cold again just before it is read: a seek place found resident is passed over
     (someone read it meanwhile: it would time memory). ``busy()`` is asked before every
     read; when it says so, :class:`MeasureStopped` (``retry``) ends the measurement. What
-    was read is appended to ``read`` as (file, start, stop) before it is read (for
-    dropping it afterwards); ``touch(index)`` is called before each file is looked at
-    (to know which one a stuck call is in). A read that fails, a file that ends early or
-    a window found resident raises :class:`FileFailed` for that file."""
+    was read is appended to ``read`` as (file, start, stop) before it is read, and
+    ``forget(file, start, stop)`` is called as soon as the read ends (to drop those pages
+    before another process comes to use them); ``touch(index)`` is called before each
+    file is looked at (to know which one a stuck call is in). A read that fails, a file
+    that ends early or a window found resident raises :class:`FileFailed` for that file."""
     done = [] if read is None else read
 
     def resident(place: Place, length: int) -> int:
@@ -278,6 +280,8 @@ def measure_seek_cost(
             if exc.retry:
                 raise
             raise FileFailed(place.file, place.offset, exc) from exc  # it shrank
+        finally:
+            forget(place.file, place.offset, place.offset + length)
 
     for place, length in ((plan.long, plan.long_bytes), (plan.short, plan.short_bytes)):
         if resident(place, length):

@@ -206,7 +206,7 @@ def _tick_until(prober: SeekProber, done: Callable[[], bool], timeout: float = 3
     while not done():
         if time.monotonic() > deadline:
             return False
-        prober.tick(idle=True, busy=lambda: False, wanted=lambda _: False)
+        prober.tick(idle=True, busy=lambda: False)
         time.sleep(0.05)
     return True
 
@@ -448,3 +448,39 @@ def test_a_probe_while_something_else_reads_the_disk_is_not_kept(
         stop.set()
         prober.close()
         os.close(file.fd)
+
+
+def test_what_another_process_reads_after_the_probe_stays_in_the_page_cache(
+    tmp_path: Path,
+) -> None:
+    """The probe drops each window from the page cache as its read ends: a process that
+    reads those bytes later (a job loading without spanwarm) keeps them, however long the
+    rest of the probe takes."""
+    from tests.daemon_harness import fuse_file
+
+    size = MIN_FILE_BYTES + 8 * MiB
+    # A slow stream: the probe's windows take a while, so the test reads between them.
+    with fuse_file(tmp_path, "shard.bin", size, stream_bytes_per_s=64 * MiB) as (_, path):
+        learned = StreamThroughput()
+        prober = SeekProber(learned, chunk=MiB)
+        file = _offered(path)
+        try:
+            prober.offer(file, uid=1000)
+            deadline = time.monotonic() + 60
+            running = None
+            while running is None or len(running.read) < 2:  # the first window is read
+                assert time.monotonic() < deadline, "the probe never read a second window"
+                prober.tick(idle=True, busy=lambda: False)
+                running = prober._running
+                time.sleep(0.005)
+            _, start, stop = running.read[0]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.pread(fd, stop - start, start)  # another process's read of that window
+                assert _tick_until(prober, lambda: prober._running is None, 60)
+                assert resident_bytes(fd, start, stop - start) == stop - start
+            finally:
+                os.close(fd)
+        finally:
+            prober.close()
+            os.close(file.fd)

@@ -337,9 +337,7 @@ class Node:
                     self._wake.set()
                 self.metrics.refresh(self.status())
                 if self.prober is not None:
-                    self.prober.tick(
-                        idle=not self._requests, busy=self._probe_must_stop, wanted=self._named
-                    )
+                    self.prober.tick(idle=not self._requests, busy=self._probe_must_stop)
                 if tick % _SAVE_EVERY_TICKS == 0:  # off the loop: a disk may be slow
                     self._close_pool.submit(self.throughput.save)
             except Exception:  # a metrics refresh must never stop the holds from expiring
@@ -349,10 +347,6 @@ class Node:
     def _probe_must_stop(self) -> bool:
         """Asked by the seek-cost probe's thread between its reads."""
         return self._closing or bool(self._requests)
-
-    def _named(self, identity: FileIdentity) -> bool:
-        """Whether a live request names the file ``identity`` is."""
-        return any(f.identity == identity for f in self._users)
 
     def seek_cost_of(self, file: OpenFile) -> int:
         """The price of a seek on ``file``'s mount: --seek-cost, else what the probe

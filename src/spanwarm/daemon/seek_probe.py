@@ -57,7 +57,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from spanwarm.daemon.admission import FileIdentity, OpenFile
+from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput, mount_name
 from spanwarm.errors import FileChangedError
@@ -111,8 +111,7 @@ class _Probe:
     files: list[_Candidate]
     future: Future[_Measured] = field(init=False)
     started: float = field(default_factory=time.monotonic)
-    # (file index, start, stop), appended by the thread before each read: what to drop
-    # afterwards.
+    # (file index, start, stop), appended by the thread before each read: what it read.
     read: list[tuple[int, int, int]] = field(default_factory=list)
     # The file the thread is looking at, opening, reading or closing (set before each):
     # the one a stuck call is in. None before it touched any.
@@ -227,12 +226,9 @@ class SeekProber:
         self._waiting.append(_Candidate(OpenFile.copy_of(file, fd), mount, uid))
         self._waiting.sort(key=lambda c: -c.file.size)
 
-    def tick(
-        self, *, idle: bool, busy: Callable[[], bool], wanted: Callable[[FileIdentity], bool]
-    ) -> None:
+    def tick(self, *, idle: bool, busy: Callable[[], bool]) -> None:
         """Once a second, on the loop. ``idle``: no live request; ``busy()`` is asked from
-        the probe's thread between reads; ``wanted(identity)``: a live request names that
-        file (then what the probe read stays in the page cache)."""
+        the probe's thread between reads."""
         now = time.monotonic()
         for candidate in list(self._waiting):
             if now - candidate.offered > CANDIDATE_TTL_S:  # the node was busy all along
@@ -240,7 +236,7 @@ class SeekProber:
         running = self._running
         if running is not None:
             if running.future.done():
-                self._finish(running, wanted)
+                self._finish(running)
             elif now - running.started > PROBE_TIMEOUT_S:
                 self._give_up(running)
             return
@@ -277,8 +273,22 @@ class SeekProber:
             plan = plan_seek_measurement(files, busy=busy, touch=touch)
             device = probe.files[0].file.identity.device
             before, started = device_read_bytes(device), time.monotonic()
+
+            def forget(index: int, start: int, stop: int) -> None:
+                """What the probe read leaves the page cache at once, from the probe's
+                thread: dropped at the probe's end, pages another process had read since
+                went too (32 MiB in an attack run)."""
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fds[index], start, stop - start, os.POSIX_FADV_DONTNEED)
+
             cost = measure_seek_cost(
-                fds, plan, busy=busy, chunk_bytes=self._chunk, read=probe.read, touch=touch
+                fds,
+                plan,
+                busy=busy,
+                chunk_bytes=self._chunk,
+                read=probe.read,
+                touch=touch,
+                forget=forget,
             )
             after, seconds = device_read_bytes(device), time.monotonic() - started
             own = sum(stop - start for _, start, stop in probe.read)
@@ -311,7 +321,7 @@ class SeekProber:
         self._lost += 1
         self._pool.grow_to(self._lost + 1)
 
-    def _finish(self, running: _Probe, wanted: Callable[[FileIdentity], bool]) -> None:
+    def _finish(self, running: _Probe) -> None:
         self._running = None
         self._idle_ticks = 0  # the next probe waits for idle ticks of its own
         files, mount = running.files, running.files[0].mount
@@ -347,11 +357,6 @@ class SeekProber:
                 self._try_elsewhere(candidate)
         else:
             again = self._learn_undisturbed(running, measured)
-        for index, start, stop in running.read:
-            file = files[index].file
-            if not wanted(file.identity):  # what the probe read, nobody asked for
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(file.fd, start, stop - start, os.POSIX_FADV_DONTNEED)
         for candidate in again:  # offer() counted them while they ran: still in bounds
             candidate.offered = time.monotonic()
         self._waiting.extend(again)

@@ -756,3 +756,37 @@ def test_names_reach_the_status_table_as_plain_escaped_text(tmp_path: Path) -> N
     assert "\x1b]" not in out  # no OSC: no title, no hyperlink
     assert "\x1b[2J" not in out
     assert not any(line.startswith("[red]fake row") for line in out.splitlines())
+
+
+@pytest.mark.parametrize("change", ["replaced", "deleted", "moved out"])
+def test_a_file_replaced_deleted_or_moved_out_while_warmed_fails_not_ready(
+    tmp_path: Path, change: str
+) -> None:
+    """A loader opens the checkpoint by its name: once that name is another file (or none,
+    or the file left the allowed roots), warming the old inode warms nothing it reads.
+    Its tensors not yet warm fail with ABORTED, naming the cause; none is ready after."""
+    allowed = tmp_path / "ckpt"
+    allowed.mkdir()
+    path = cold_file(allowed / "model.safetensors", 64 * MiB)
+    flags = ("--method", "read", "--throttle", "16MiB", "--workers", "1", "--allow", str(allowed))
+    with running_daemon(*flags) as daemon:
+        client = Client(daemon.socket, read_yourself=False)
+        ticket = client.request([span(f"t{i}", path, i * 4 * MiB, 4 * MiB) for i in range(16)])
+        assert ticket.wait(["t0"], timeout=30)  # warming is under way
+        if change == "replaced":
+            cold_file(allowed / "new.safetensors", 64 * MiB, seed=1)
+            os.rename(allowed / "new.safetensors", path)
+        elif change == "deleted":
+            os.unlink(path)
+        else:
+            os.rename(path, tmp_path / "elsewhere.safetensors")
+        assert ticket.wait(timeout=60)
+        failures = dict(ticket.failures)
+        ready = ticket.progress.ready
+        ticket.cancel()
+        client.close()
+    assert ready < 16
+    assert len(failures) == 16 - ready, failures
+    cause = "outside the allowed roots" if change == "moved out" else "deleted or replaced"
+    assert all(cause in reason for reason in failures.values()), failures
+    assert all(reason.startswith(f"ABORTED: {path}: ") for reason in failures.values())

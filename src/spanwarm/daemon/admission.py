@@ -111,6 +111,8 @@ class OpenFile:
         self.trusted = residency_trusted(fd)  # mincore tells the truth for this file
         self.refs = 0
         self.failed = False  # changed under us: its requests failed, it is not planned again
+        # Where the file may be (the allowed roots; None: anywhere): checked as it is warmed.
+        self.allowed: Callable[[str], bool] | None = None
 
     @classmethod
     def copy_of(cls, file: OpenFile, fd: int) -> OpenFile:
@@ -119,7 +121,26 @@ class OpenFile:
         copy = cls.__new__(cls)
         copy.path, copy.fd, copy.identity = file.path, fd, file.identity
         copy.trusted, copy.refs, copy.failed = file.trusted, 0, False
+        copy.allowed = file.allowed
         return copy
+
+    def check_in_place(self, fd: int | None = None) -> None:
+        """Raise :class:`FileChangedError` unless the file is still what its requests
+        named: the same size and modification time, still linked (a file deleted, or
+        replaced by a rename over its name, is no longer what a loader opening that name
+        reads), and within the allowed roots (a file moved out after its grant is not
+        warmed on). ``fd``: a descriptor of it to look at (its own by default)."""
+        st = os.fstat(self.fd if fd is None else fd)
+        if FileIdentity.of(st) != self.identity:
+            raise FileChangedError(self.path, "changed while warming")
+        if st.st_nlink == 0:
+            raise FileChangedError(self.path, "was deleted or replaced while warming")
+        if self.allowed is not None:
+            name = kernel_name(self.fd)
+            if not self.allowed(name):
+                raise FileChangedError(
+                    self.path, f"moved to {_shown(name)}, outside the allowed roots"
+                )
 
     @property
     def size(self) -> int:
@@ -141,9 +162,7 @@ class OpenFile:
         except OSError:
             fd = os.dup(self.fd)
         try:
-            now = FileIdentity.of(os.fstat(fd))
-            if now != self.identity:
-                raise FileChangedError(self.path, "changed while warming")
+            self.check_in_place(fd)
             # Read exactly the planned ranges: kernel readahead would warm neighbours nobody
             # asked for (+57% bytes for 64 KiB spans, research/machine-probes.md 2.3).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -311,6 +330,7 @@ class FileTable:
                 shared.refs += 1
                 return shared
             file = OpenFile(name, fd, identity)
+            file.allowed = self._allowed if self._roots else None
             file.refs = 1
             self._files[identity] = file
             return file

@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan, plan_file
-from spanwarm.daemon.admission import FileIdentity, FileTable, OpenFile
+from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
@@ -1045,6 +1045,8 @@ class Node:
                 outcome.read += stop - start - resident
                 outcome.fetched.append((start, stop))
                 outcome.verified += resident
+            # Replaced, deleted or moved out while these pieces were read: not ready.
+            file.check_in_place(fd)
             if self.config.hold:
                 bad = [(b.start, b.stop) for b in outcome.bad]
                 outcome.kept = _pin_all(fd, _subtract(outcome.covered, bad))
@@ -1062,8 +1064,7 @@ class Node:
         lo, hi = min(a for a, _ in ranges), max(b for _, b in ranges)
         if resident_bytes(file.fd, lo, hi - lo) != hi - lo:
             return False
-        if FileIdentity.of(os.fstat(file.fd)) != file.identity:
-            raise FileChangedError(file.path, "changed while warming")
+        file.check_in_place()
         return True
 
     # -- readiness -----------------------------------------------------------------------

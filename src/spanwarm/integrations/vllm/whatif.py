@@ -106,6 +106,17 @@ def _dry_run_here(model: str, layout: Layout, rank: int) -> dict[str, object]:
         return new_group(*args, **kwargs)  # type: ignore[arg-type]
 
     dist.new_group = fake_group
+    from vllm.distributed import parallel_state
+
+    coordinator = parallel_state.GroupCoordinator.__init__
+
+    def without_peers(self: object, *args: object, **kwargs: object) -> None:
+        # No device communicator (NCCL, or the CPU's shared memory) and no message queue:
+        # they reach out to peers, and a dry run sends nothing.
+        kwargs.update(use_device_communicator=False, use_message_queue_broadcaster=False)
+        coordinator(self, *args, **kwargs)
+
+    parallel_state.GroupCoordinator.__init__ = without_peers
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs

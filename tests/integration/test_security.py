@@ -137,7 +137,7 @@ def area() -> Iterator[Area]:
 
 
 @contextlib.contextmanager
-def group_daemon(area: Area, *flags: str) -> Iterator[Any]:
+def group_daemon(area: Area, *flags: str, open_files: int | None = None) -> Iterator[Any]:
     with running_daemon(
         "--socket-group",
         GROUP,
@@ -147,6 +147,7 @@ def group_daemon(area: Area, *flags: str) -> Iterator[Any]:
         "read",
         *flags,
         socket_path=str(area.sockets / "d.sock"),
+        open_files=open_files,
     ) as daemon:
         yield daemon
 
@@ -641,3 +642,20 @@ def test_the_per_user_default_directory_is_created_private(area: Area) -> None:
         server.terminate()
         server.communicate(timeout=30)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_one_uid_holds_at_most_half_the_descriptors_the_daemon_leaves_to_users(
+    area: Area,
+) -> None:
+    """With 1,024 descriptors: 256 kept for root and the daemon's user, 768 for users,
+    384 for one uid, whatever --user-max-files says; another user still gets its grant."""
+    with group_daemon(area, "--user-max-files", "100000", open_files=1024) as daemon:
+        held = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=1)
+        over = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=1)
+        other = as_user(
+            ALICE, "client_warm", socket=daemon.socket, paths=[str(area.own)], length=4096
+        )
+    assert held["code"] == "OK", held  # 253 references, an unused grant
+    assert over["code"] == "RESOURCE_EXHAUSTED", over  # 506 > 384
+    assert "more than 384 files" in over["details"], over
+    assert other["ready"] == 1, other

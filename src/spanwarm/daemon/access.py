@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import resource
 import socket
 import struct
 import time
@@ -59,6 +60,22 @@ class _Closed(Exception):
     """The caller hung up before finishing its grant: nobody to answer."""
 
 
+# The share of the daemon's descriptors kept for root and its own user, at least
+# _RESERVE_MIN: users' grants and requests never take them.
+_RESERVE_SHARE = 0.25
+_RESERVE_MIN = 256
+
+
+def users_descriptors() -> int:
+    """How many files all users' grants and requests together may hold open: the
+    daemon's descriptor limit less the reserve (sockets, logs, the warm engine's streams,
+    and root's and the daemon's own user's files)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, soft - max(_RESERVE_MIN, int(soft * _RESERVE_SHARE)))
+
+
 class AccessServer:
     def __init__(
         self,
@@ -76,7 +93,12 @@ class AccessServer:
         self.files = files
         self.grants = grants
         self.max_files = max_files
-        self.user_max_files = user_max_files
+        # Descriptors are the daemon's scarcest resource: every file of a live grant or
+        # request stays open. Users share what the limit leaves after a reserve for root
+        # and the daemon's user (the liveness probe, root's status, their loads), and
+        # one uid gets at most half of that, whatever --user-max-files says.
+        self.users_max_files = users_descriptors()
+        self.user_max_files = min(user_max_files, max(1, self.users_max_files // 2))
         self.trusted = trusted
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -248,7 +270,17 @@ class AccessServer:
                 if peer.uid not in self.trusted and held + len(got) > self.user_max_files:
                     raise RequestTooLargeError(
                         f"uid {peer.uid} would hold more than {self.user_max_files} files "
-                        "in grants and requests (--user-max-files)"
+                        "in grants and requests (--user-max-files, at most half of the "
+                        "descriptors the daemon leaves to users)"
+                    )
+                users = self.grants.references_except(self.trusted) + sum(
+                    n for uid, n in self._receiving.items() if uid not in self.trusted
+                )
+                if peer.uid not in self.trusted and users + len(got) > self.users_max_files:
+                    raise RequestTooLargeError(
+                        f"the daemon's descriptors for users are in use: {users} of "
+                        f"{self.users_max_files} (its RLIMIT_NOFILE less {_RESERVE_SHARE:.0%} "
+                        "kept for root and the daemon's user); try again when loads end"
                     )
             except BaseException:
                 for fd in got:

@@ -208,10 +208,13 @@ def _seen_here(name: str, st: os.stat_result) -> bool:
 
     The kernel names a descriptor from another mount namespace by its path *there*: a user
     who bind-mounts /etc under an allowed root in a namespace of its own would otherwise
-    pass the allowed-roots check with /etc/passwd."""
+    pass the allowed-roots check with /etc/passwd. Out of descriptors, it cannot tell:
+    that raises (the refusal names the cause, not another mount namespace)."""
     try:
         here = _open_no_symlinks(name)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
         return False
     try:
         seen = os.fstat(here)

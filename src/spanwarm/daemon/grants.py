@@ -66,6 +66,10 @@ class Grants:
     def slots(self, uid: int) -> int:
         return self._slots.get(uid, 0)
 
+    def references_except(self, uids: frozenset[int]) -> int:
+        """Files the grants and requests of every uid but ``uids`` hold."""
+        return sum(n for uid, n in self._references.items() if uid not in uids)
+
     def references(self, uid: int) -> int:
         """Files (counted once per grant naming them) the uid's live grants and requests
         hold."""

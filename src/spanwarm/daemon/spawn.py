@@ -6,7 +6,9 @@ sd_notify protocol systemd uses (``READY=1`` on a private datagram socket).
 
 from __future__ import annotations
 
+import functools
 import os
+import resource
 import shutil
 import signal
 import socket as socketlib
@@ -47,6 +49,10 @@ class ChildDaemon:
         return self.process.wait(timeout)
 
 
+def _limit_files(n: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
 @contextmanager
 def spawn_daemon(
     *flags: str,
@@ -54,8 +60,10 @@ def spawn_daemon(
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
     stderr: IO[bytes] | None = None,
+    open_files: int | None = None,
 ) -> Iterator[ChildDaemon]:
-    """Run a daemon on a private socket until the block ends (then SIGTERM it)."""
+    """Run a daemon on a private socket until the block ends (then SIGTERM it).
+    ``open_files``: its RLIMIT_NOFILE, soft and hard (what a unit's LimitNOFILE sets)."""
     directory = tempfile.mkdtemp(prefix="sw-")  # short: socket paths are limited to 108 bytes
     sock = socket_path or os.path.join(directory, "d.sock")
     notify_path = os.path.join(directory, "notify")
@@ -68,6 +76,7 @@ def spawn_daemon(
         [sys.executable, "-m", "spanwarm", "serve", "--socket", sock, *state, *flags],
         env={**os.environ, "NOTIFY_SOCKET": notify_path, **(env or {})},
         stderr=stderr,
+        preexec_fn=None if open_files is None else functools.partial(_limit_files, open_files),
     )
     daemon = ChildDaemon(sock, process, listener)
     try:

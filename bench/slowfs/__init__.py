@@ -346,8 +346,10 @@ class SlowFSOperations(_Operations):
         faults: Iterable[Fault] = (),
         hangs: Iterable[Hang] = (),
         trace: Path | None = None,
+        hang_flush: Iterable[str] = (),
     ) -> None:
         self._source = source.resolve()
+        self._hang_flush = frozenset(hang_flush)
         # Line-buffered, appended to under the lock: one whole line per request.
         self._trace = None if trace is None else trace.open("a", buffering=1)
         self._preset = preset
@@ -444,6 +446,13 @@ class SlowFSOperations(_Operations):
             self._next_fh += 1
             self._handles[fh] = handle
         fi.fh = fh
+        return 0
+
+    def flush(self, path: str, fi: Any) -> int:
+        """Each close() of a file named in ``hang_flush`` waits for this answer: never
+        given, until the server is told to stop (then EIO)."""
+        if path.lstrip("/") in self._hang_flush:
+            self._sleep_unless_stopping(float("inf"))
         return 0
 
     def release(self, path: str, fi: Any) -> int:
@@ -575,6 +584,7 @@ def serve(
     debug: bool = False,
     allow_other: bool = False,
     trace: Path | None = None,
+    hang_flush: Iterable[str] = (),
 ) -> None:
     """Mount ``source`` at ``mountpoint`` and serve in the foreground until unmounted
     (``allow_other``: other users may use the mount, with the kernel checking the files'
@@ -582,7 +592,9 @@ def serve(
     import mfusepy  # here, not at the top: only the server needs libfuse
 
     mfusepy.FUSE(
-        SlowFSOperations(source, preset, faults=faults, hangs=hangs, trace=trace),
+        SlowFSOperations(
+            source, preset, faults=faults, hangs=hangs, trace=trace, hang_flush=hang_flush
+        ),
         str(mountpoint),
         raw_fi=True,
         foreground=True,
@@ -635,6 +647,7 @@ def mount(
     timeout_s: float = _MOUNT_TIMEOUT_S,
     allow_other: bool = False,
     trace: Path | None = None,
+    hang_flush: Iterable[str] = (),
     **overrides: float | None,
 ) -> Iterator[SlowFS]:
     """Mount ``source`` read-only at ``mountpoint`` (created if missing) in a child process.
@@ -645,8 +658,10 @@ def mount(
     readahead window for the mount (128 KiB by default; root only), which bounds the size
     of read requests. ``allow_other`` lets other users in (files' modes apply; root only).
     ``trace``: a file each served read request is appended to (see the module docstring).
-    Yields once the mount is live; unmounts and reaps the child on exit, lazily if files
-    inside are still open (a read hung then fails with EIO or ENOTCONN).
+    ``hang_flush``: names whose every close() hangs (the server never answers its FLUSH,
+    as a user's own FUSE server may), until unmount. Yields once the mount is live;
+    unmounts and reaps the child on exit, lazily if files inside are still open (a read
+    or close hung then fails with EIO or ENOTCONN).
     """
     resolved = resolve_preset(preset, **overrides)
     faults = tuple(faults)
@@ -674,6 +689,7 @@ def mount(
         *(f"--hang={hang.to_arg()}" for hang in hangs),
         *(["--allow-other"] if allow_other else []),
         *([f"--trace={trace.resolve()}"] if trace is not None else []),
+        *(f"--hang-flush={name}" for name in hang_flush),
     ]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--trace", type=Path, help="append each served read request to this file (JSON lines)"
     )
+    parser.add_argument(
+        "--hang-flush",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="never answer a close() of NAME (its FLUSH), until unmounted (repeatable)",
+    )
     args = vars(parser.parse_args(argv))
     overrides = {name: args.pop(name) for name in _KNOBS if name in args}
     preset = resolve_preset(args["preset"], **overrides)
@@ -120,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         debug=args["debug"],
         allow_other=args["allow_other"],
         trace=args["trace"],
+        hang_flush=args["hang_flush"],
     )
 
 

@@ -659,3 +659,56 @@ def test_one_uid_holds_at_most_half_the_descriptors_the_daemon_leaves_to_users(
     assert over["code"] == "RESOURCE_EXHAUSTED", over  # 506 > 384
     assert "more than 384 files" in over["details"], over
     assert other["ready"] == 1, other
+
+
+def test_one_users_hung_file_system_holds_up_only_its_own_closes(area: Area) -> None:
+    """Mallory's FUSE server never answers a close (FLUSH). Her refused descriptors are
+    closed in her own checking threads, her granted file's in its file system's lane:
+    Alice's descriptors, on another file system, still close as her requests end."""
+    if why := fuse_available():
+        pytest.skip(f"needs the emulated mount: {why}")
+    source = area.root / "flush-src"
+    source.mkdir(mode=0o755, exist_ok=True)
+    _write(source / "hung.bin", 2**20, 0o644)
+    outside, inside = area.root / "flush-out", area.allowed / "flush-in"
+    mallory: list[subprocess.Popen[str]] = []
+    with contextlib.ExitStack() as mounts:
+        # Torn down before the daemon and Mallory's processes are waited for: a process
+        # closing a file there (at exit too) waits until the server stops.
+        mounts.enter_context(mount(source, outside, allow_other=True, hang_flush=["hung.bin"]))
+        mounts.enter_context(mount(source, inside, allow_other=True, hang_flush=["hung.bin"]))
+        with group_daemon(area) as daemon:
+            try:
+                baseline = len(os.listdir(f"/proc/{daemon.process.pid}/fd"))
+                # Two refused grants (outside the allowed roots), one served and ended.
+                mallory.extend(
+                    start_as_user(
+                        MALLORY,
+                        "client_warm",
+                        socket=daemon.socket,
+                        paths=[str(path / "hung.bin")],
+                        length=4096,
+                        timeout=5,
+                    )
+                    for path in (outside, outside, inside)
+                )
+                time.sleep(3)  # her closes are stuck by now
+                for _ in range(10):
+                    alice = as_user(
+                        ALICE,
+                        "client_warm",
+                        socket=daemon.socket,
+                        paths=[str(area.own)],
+                        length=4096,
+                    )
+                    assert alice["ready"] == 1, alice
+                deadline = time.monotonic() + 10
+                while (held := len(os.listdir(f"/proc/{daemon.process.pid}/fd"))) > baseline + 3:
+                    assert time.monotonic() < deadline, (held, baseline)
+                    time.sleep(0.1)
+            finally:
+                for process in mallory:
+                    process.kill()
+                mounts.close()
+    for process in mallory:
+        process.wait(timeout=60)

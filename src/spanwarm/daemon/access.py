@@ -284,7 +284,7 @@ class AccessServer:
                     )
             except BaseException:
                 for fd in got:
-                    self.files.close_fd(fd)
+                    self.files.close_fd(fd, ("uid", peer.uid))
                 raise
             self._receiving[peer.uid] += len(got)  # until the connection ends (_serve)
             received[0] += len(got)
@@ -303,13 +303,13 @@ class AccessServer:
             pool = self._pools[peer.uid] = DaemonThreadPool(
                 _CHECK_THREADS, f"spanwarm-access-{peer.uid}", nice=10
             )
-        job = pool.submit(self._adopt_blocking, fds, first)
+        job = pool.submit(self._adopt_blocking, fds, first, peer.uid)
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             if job.cancel():  # never started: the descriptors are still ours to close
                 for fd in fds:
-                    self.files.close_fd(fd)
+                    self.files.close_fd(fd, ("uid", peer.uid))
             else:
                 job.add_done_callback(self._give_back)
             raise
@@ -319,14 +319,14 @@ class AccessServer:
             for file, _ in job.result():
                 self.files.release(file)
 
-    def _adopt_blocking(self, fds: list[int], first: int) -> list[Adopted]:
+    def _adopt_blocking(self, fds: list[int], first: int, uid: int) -> list[Adopted]:
         files: list[Adopted] = []
         for position, fd in enumerate(fds):
             try:
                 files.append(self.files.adopt(fd, f"descriptor {first + position}"))
             except BaseException:
                 for rest in fds[position + 1 :]:
-                    self.files.close_fd(rest)
+                    self.files.close_fd(rest, ("uid", uid))
                 for file, _ in files:
                     self.files.release(file)
                 raise

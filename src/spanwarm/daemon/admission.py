@@ -11,13 +11,14 @@ node.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -203,6 +204,13 @@ def _open_no_symlinks(path: str) -> int:
     return os.open(path, _O_PATH_FLAGS)
 
 
+def _close_here(fd: int) -> None:
+    """Close in this thread (one checking a caller's descriptors: only it waits). A
+    flush error leaves the descriptor gone all the same."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _seen_here(name: str, st: os.stat_result) -> bool:
     """Whether the daemon's own view of the file system has this very file at ``name``.
 
@@ -237,13 +245,19 @@ class FileTable:
     """
 
     def __init__(
-        self, allow: tuple[str, ...], *, close: Callable[[int], object] = os.close
+        self,
+        allow: tuple[str, ...],
+        *,
+        close: Callable[[int, Hashable], object] = lambda fd, lane: os.close(fd),
     ) -> None:
         self._roots = tuple(os.path.realpath(root) for root in allow)
         self._files: dict[FileIdentity, OpenFile] = {}
         self._lock = threading.Lock()
-        # How a file's last reference closes it. The daemon closes in a worker thread: a
-        # close() on a FUSE mount waits for its server (FLUSH), which a user may run.
+        # How a file's last reference closes it, in the lane of its file system. The
+        # daemon closes in threads of its own (daemon/closer.py): a close() on a FUSE
+        # mount waits for its server (FLUSH), which a user may run. A descriptor refused
+        # or shared while it is checked is closed in the thread checking it: the
+        # caller's own (access.py), or a trusted caller's.
         self._close = close
 
     def _allowed(self, name: str) -> bool:
@@ -288,10 +302,10 @@ class FileTable:
                     )
                 name += " (elsewhere for the daemon)"  # shown to others: not a name to trust
         except OSError as exc:
-            self._close(fd)
+            _close_here(fd)
             raise lookup_error(label, exc) from None
         except BaseException:
-            self._close(fd)
+            _close_here(fd)
             raise
         return self._share(fd, name, FileIdentity.of(st)), name
 
@@ -321,22 +335,24 @@ class FileTable:
             raise lookup_error(path, exc) from None
         return self.adopt(fd, path)
 
-    def close_fd(self, fd: int) -> None:
-        """Close a descriptor we will not keep, the way files are closed (see __init__)."""
-        self._close(fd)
+    def close_fd(self, fd: int, lane: Hashable) -> None:
+        """Close a descriptor we will not keep, the way files are closed (see __init__),
+        in ``lane`` (the uid that sent it: ``("uid", uid)``)."""
+        self._close(fd, lane)
 
     def _share(self, fd: int, name: str, identity: FileIdentity) -> OpenFile:
         with self._lock:
             shared = self._files.get(identity)
             if shared is not None:
-                self._close(fd)
                 shared.refs += 1
-                return shared
-            file = OpenFile(name, fd, identity)
-            file.allowed = self._allowed if self._roots else None
-            file.refs = 1
-            self._files[identity] = file
-            return file
+            else:
+                file = OpenFile(name, fd, identity)
+                file.allowed = self._allowed if self._roots else None
+                file.refs = 1
+                self._files[identity] = file
+                return file
+        _close_here(fd)  # the same file, open already: this copy is not needed
+        return shared
 
     def release(self, file: OpenFile) -> None:
         with self._lock:
@@ -344,7 +360,7 @@ class FileTable:
             if file.refs == 0:
                 if self._files.get(file.identity) is file:
                     del self._files[file.identity]
-                self._close(file.fd)
+                self._close(file.fd, ("dev", file.identity.device))
 
     def forget(self, file: OpenFile) -> None:
         """Stop handing ``file`` out (it changed under us): a later request for the same
@@ -356,7 +372,7 @@ class FileTable:
     def close_all(self) -> None:
         with self._lock:
             for file in self._files.values():
-                self._close(file.fd)
+                self._close(file.fd, ("dev", file.identity.device))
             self._files.clear()
 
     def __len__(self) -> int:

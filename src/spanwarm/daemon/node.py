@@ -60,6 +60,7 @@ import numpy.typing as npt
 from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan, plan_file
 from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
+from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.request import (
@@ -254,9 +255,11 @@ class Node:
         self.engine = WarmEngine(
             self.method, chunk_bytes=self.chunk, throttle_bytes_per_s=config.throttle_bytes_per_s
         )
-        # A close() may wait on a user's FUSE server: never on the loop.
-        self._close_pool = DaemonThreadPool(2, "spanwarm-close")
-        self.files = FileTable(config.allow, close=self._close_later)
+        # A close() may wait on a user's FUSE server: never on the loop, and never in a
+        # lane another file system's closes wait in (daemon/closer.py).
+        self.closer = Closer()
+        self._state_pool = DaemonThreadPool(1, "spanwarm-state")
+        self.files = FileTable(config.allow, close=self.closer.close)
         self.started = time.monotonic()
         self._requests: list[Request] = []
         self._plans: dict[OpenFile, FilePlan] = {}
@@ -309,19 +312,13 @@ class Node:
         )
         # Each mount's seek cost, probed once the node is idle, unless --seek-cost sets it.
         self.prober = (
-            SeekProber(self.throughput, chunk=self.chunk, close=self._close_later)
+            SeekProber(self.throughput, chunk=self.chunk, close=self.closer.close)
             if config.seek_cost is None
             else None
         )
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------
-
-    def _close_later(self, fd: int) -> None:
-        try:
-            self._close_pool.submit(os.close, fd)
-        except RuntimeError:  # shut down: we are exiting
-            os.close(fd)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -339,7 +336,7 @@ class Node:
                 if self.prober is not None:
                     self.prober.tick(idle=not self._requests, busy=self._probe_must_stop)
                 if tick % _SAVE_EVERY_TICKS == 0:  # off the loop: a disk may be slow
-                    self._close_pool.submit(self.throughput.save)
+                    self._state_pool.submit(self.throughput.save)
             except Exception:  # a metrics refresh must never stop the holds from expiring
                 logger.exception("refreshing the metrics failed")
             await asyncio.sleep(1.0)
@@ -495,7 +492,7 @@ class Node:
         self.files.close_all()
         if self.prober is not None:
             self.prober.close()
-        self._close_pool.shutdown(wait=False)
+        self._state_pool.shutdown(wait=False)
         self.throughput.save()  # what this run learned, for the next one
 
     # -- requests ----------------------------------------------------------------------

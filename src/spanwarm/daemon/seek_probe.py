@@ -53,7 +53,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -151,7 +151,11 @@ class SeekProber:
     """
 
     def __init__(
-        self, learned: StreamThroughput, *, chunk: int, close: Callable[[int], object] = os.close
+        self,
+        learned: StreamThroughput,
+        *,
+        chunk: int,
+        close: Callable[[int, Hashable], object] = lambda fd, lane: os.close(fd),
     ) -> None:
         self._learned = learned
         self._chunk = chunk
@@ -446,11 +450,11 @@ class SeekProber:
 
     def _close_all(self, files: list[_Candidate]) -> None:
         for candidate in files:
-            self._close(candidate.file.fd)
+            self._close(candidate.file.fd, ("dev", candidate.file.identity.device))
 
     def _drop(self, candidate: _Candidate) -> None:
         self._waiting.remove(candidate)
-        self._close(candidate.file.fd)
+        self._close(candidate.file.fd, ("dev", candidate.file.identity.device))
 
     def _try_elsewhere(self, candidate: _Candidate) -> None:
         """Not this file again, whatever its mtime (a user's file that fails, or changes

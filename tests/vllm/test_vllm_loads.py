@@ -233,8 +233,8 @@ def test_moe_tp2_ep_requests_only_local_experts(
 def test_without_a_working_daemon_the_server_loads_as_without_spanwarm(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """No daemon (and a dry run with no time: whole tensors), or a frozen one: the same
-    tokens as with the plugin off, and one warning for each."""
+    """No daemon (and a dry run with no time: whole tensors), a load strategy spanwarm
+    does not warm, or a frozen daemon: the same tokens as with the plugin off."""
     model = models["dense"]
     plain, log = serve(model, tmp_path / "off", SPANWARM_VLLM="0")
     assert plain.get("tokens"), log[-3000:]
@@ -252,6 +252,12 @@ def test_without_a_working_daemon_the_server_loads_as_without_spanwarm(
     assert not record["exact"]
     assert "time budget" in record["reason"]
     assert {s[0] for s in record["spans"]} == set(record["handed_out"])
+
+    # A strategy that reads whole files itself: one line says spanwarm warms nothing.
+    eager, log = serve(model, tmp_path / "eager", "--load-strategy", "eager")
+    assert eager.get("tokens") == plain["tokens"], log[-3000:]
+    assert "spanwarm: safetensors load strategy 'eager' reads whole files itself" in log
+    assert not list((tmp_path / "eager").glob("rank-*.json"))  # no dry run, no request
 
     with running_daemon() as daemon:
         daemon.process.send_signal(signal.SIGSTOP)

@@ -448,13 +448,6 @@ class SlowFSOperations(_Operations):
         fi.fh = fh
         return 0
 
-    def flush(self, path: str, fi: Any) -> int:
-        """Each close() of a file named in ``hang_flush`` waits for this answer: never
-        given, until the server is told to stop (then EIO)."""
-        if path.lstrip("/") in self._hang_flush:
-            self._sleep_unless_stopping(float("inf"))
-        return 0
-
     def release(self, path: str, fi: Any) -> int:
         with self._lock:
             handle = self._handles.pop(fi.fh)
@@ -562,6 +555,19 @@ class SlowFSOperations(_Operations):
         return json.dumps(stats, indent=1).encode() + b"\n"
 
 
+class _HangingFlushOperations(SlowFSOperations):
+    """With ``hang_flush``: the server answers FLUSH, and never for those names. Without,
+    no ``flush`` is served at all (the kernel then sends none, and a close after the
+    server has gone does not fail)."""
+
+    def flush(self, path: str, fi: Any) -> int:
+        """Each close() of a file named in ``hang_flush`` waits for this answer: never
+        given, until the server is told to stop (then EIO)."""
+        if path.lstrip("/") in self._hang_flush:
+            self._sleep_unless_stopping(float("inf"))
+        return 0
+
+
 def _process_of(tid: int) -> int:
     """The process (thread group) of thread ``tid``; -1 where it has gone."""
     try:
@@ -592,7 +598,7 @@ def serve(
     import mfusepy  # here, not at the top: only the server needs libfuse
 
     mfusepy.FUSE(
-        SlowFSOperations(
+        (_HangingFlushOperations if hang_flush else SlowFSOperations)(
             source, preset, faults=faults, hangs=hangs, trace=trace, hang_flush=hang_flush
         ),
         str(mountpoint),

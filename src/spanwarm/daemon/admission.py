@@ -134,14 +134,13 @@ class OpenFile:
         st = os.fstat(self.fd if fd is None else fd)
         if FileIdentity.of(st) != self.identity:
             raise FileChangedError(self.path, "changed while warming")
-        if st.st_nlink == 0:
+        name = kernel_name(self.fd)
+        # No link left, or its name gone (replaced by a rename while another hard link
+        # keeps the inode): a loader opening the name reads another file, or none.
+        if st.st_nlink == 0 or name.endswith(" (deleted)"):
             raise FileChangedError(self.path, "was deleted or replaced while warming")
-        if self.allowed is not None:
-            name = kernel_name(self.fd)
-            if not self.allowed(name):
-                raise FileChangedError(
-                    self.path, f"moved to {_shown(name)}, outside the allowed roots"
-                )
+        if self.allowed is not None and not self.allowed(name):
+            raise FileChangedError(self.path, f"moved to {_shown(name)}, outside the allowed roots")
 
     @property
     def size(self) -> int:

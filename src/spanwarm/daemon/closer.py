@@ -43,9 +43,16 @@ class Closer:
                 queued.append(fd)
                 return
             self._lanes[lane] = collections.deque([fd])
-        threading.Thread(
-            target=self._drain, args=(lane,), name="spanwarm-close", daemon=True
-        ).start()
+        try:
+            threading.Thread(
+                target=self._drain, args=(lane,), name="spanwarm-close", daemon=True
+            ).start()
+        except RuntimeError:  # no thread to be had (a thread limit): close it here
+            with self._lock:
+                queued = self._lanes.pop(lane)
+            for left in queued:
+                with contextlib.suppress(OSError):
+                    os.close(left)
 
     def _drain(self, lane: Hashable) -> None:
         while True:

@@ -281,7 +281,10 @@ class SeekProber:
             def forget(index: int, start: int, stop: int) -> None:
                 """What the probe read leaves the page cache at once, from the probe's
                 thread: dropped at the probe's end, pages another process had read since
-                went too (32 MiB in an attack run)."""
+                went too (32 MiB in an attack run). Not once a request has come: it may
+                be warming, or have found resident, those very pages."""
+                if busy():
+                    return
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fds[index], start, stop - start, os.POSIX_FADV_DONTNEED)
 

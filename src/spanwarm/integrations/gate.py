@@ -73,7 +73,10 @@ class GatedReads:
             self._read.add(name)
             began = self._reading.pop(name, None)
         if began is not None:
-            self.ticket.took(name, time.monotonic() - began)
+            try:
+                self.ticket.took(name, time.monotonic() - began)
+            except Exception as exc:  # a rate estimate, never worth a failed read
+                logger.debug("spanwarm: cannot time %s: %s", name, exc)
         if first and not self.timed_out:
             try:
                 self.ticket.consumed([name])

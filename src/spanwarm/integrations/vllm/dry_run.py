@@ -68,7 +68,16 @@ _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
 }
+# Named where this torch has them (safetensors' own map has them too).
+for _name, _attr in (
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
 
 
 class DryRunUnsupported(Exception):
@@ -100,6 +109,7 @@ class _State(threading.local):
     recorder: TouchRecorder | None = None
     handed_out: list[HandedOut] | None = None
     deadline: float = float("inf")
+    unsupported: str = ""  # why the dry run stopped, even where a loader caught it
 
 
 _state = _State()
@@ -127,16 +137,21 @@ def meta_weights(
         for name in names:
             if skip(name, local_expert_ids):
                 continue
-            if time.monotonic() > _state.deadline:
-                raise DryRunUnsupported("its time budget was spent")
             info = header.tensors[position[name]]
             _state.handed_out.append(HandedOut(name, header, position[name]))
-            dtype = _DTYPES.get(info.dtype)
-            if dtype is None:
-                raise DryRunUnsupported(f"{path}: {name} has dtype {info.dtype}")
-            tensor = torch.empty(info.shape, dtype=dtype, device="meta")
             recorder = _state.recorder
-            yield name, (tensor if recorder is None else recorder.hand_out(name, tensor))
+            dtype = _DTYPES.get(info.dtype)
+            if recorder is None:  # only listing what is handed out: any stand-in does
+                yield name, torch.empty((0,), dtype=dtype or torch.uint8, device="meta")
+                continue
+            if time.monotonic() > _state.deadline:
+                _state.unsupported = "its time budget was spent"
+            elif dtype is None:
+                _state.unsupported = f"{path}: {name} has dtype {info.dtype}"
+            if _state.unsupported:
+                raise DryRunUnsupported(_state.unsupported)
+            tensor = torch.empty(info.shape, dtype=dtype, device="meta")
+            yield name, recorder.hand_out(name, tensor)
 
 
 def dry_run(
@@ -150,6 +165,8 @@ def dry_run(
     try:
         with _dry(recorder, began + budget_s) as handed_out, recorder:
             load()
+            if _state.unsupported:  # raised in the iterator, and caught by a loader
+                raise DryRunUnsupported(_state.unsupported)
     except Exception as exc:
         reason = str(exc) if isinstance(exc, DryRunUnsupported) else f"{type(exc).__name__}: {exc}"
         try:
@@ -192,10 +209,12 @@ def _dry(recorder: TouchRecorder | None, deadline: float) -> Iterator[list[Hande
     """In this thread, the safetensors iterator yields :func:`meta_weights` meanwhile."""
     handed_out: list[HandedOut] = []
     _state.handed_out, _state.recorder, _state.deadline = handed_out, recorder, deadline
+    _state.unsupported = ""
     try:
         yield handed_out
     finally:
         _state.handed_out, _state.recorder, _state.deadline = None, None, float("inf")
+        _state.unsupported = ""
 
 
 def whole_tensors(handed_out: list[HandedOut]) -> list[TensorSpans]:

@@ -21,6 +21,7 @@ any error is one warning, and the load goes on cold.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -81,6 +82,7 @@ class _Load:
         self.loader, self.model, self.model_config = loader, model, model_config
         self.gate: GatedReads | None = None
         self.plan: DryRun | None = None
+        self.upcoming: Iterator[str] = iter(())  # the names handed out next, in order
         self._started = False
         self._client: Any = None
 
@@ -117,7 +119,10 @@ class _Load:
     def _request(self, plan: DryRun) -> GatedReads | None:
         from spanwarm.client import Client
 
-        _write_spans(plan)
+        try:
+            _write_spans(plan)
+        except OSError as exc:  # a record of the request, not the request
+            logger.warning("spanwarm: cannot write this rank's request to %s: %s", SPANS_DIR, exc)
         logger.info(
             "spanwarm: rank %d reads %d tensors, %.1f MiB in %d spans (%s, %.2f s)",
             _global_rank(),
@@ -131,6 +136,7 @@ class _Load:
             return None
         self._client = Client(read_yourself=_read_yourself())
         ticket = self._client.request(plan.spans, job=_job(), rank=_global_rank())
+        self.upcoming = iter([item.name for item in plan.handed_out])
         return GatedReads(plan.spans, ticket, _WAIT_TIMEOUT_S)
 
     def end(self) -> None:
@@ -149,7 +155,8 @@ class _Load:
             logger.warning("spanwarm: ending the request: %s", exc)
         finally:
             if self._client is not None:
-                self._client.close()
+                with contextlib.suppress(Exception):  # the load's own outcome stands
+                    self._client.close()
 
 
 class _Current(threading.local):
@@ -206,8 +213,20 @@ def _gated_iterator(
         if gate is None:
             yield from weights
             return
-        for name, tensor in weights:
-            gate.before_read(name)
+        # get_tensor reads a tensor's first page as it hands it out: wait for the tensor
+        # the dry run says comes next before asking the iterator for it.
+        expected = load.upcoming if load is not None else iter(())
+        weights = iter(weights)
+        while True:
+            upcoming = next(expected, None)
+            if upcoming is not None:
+                gate.before_read(upcoming)
+            try:
+                name, tensor = next(weights)
+            except StopIteration:
+                return
+            if name != upcoming:  # out of step with the dry run: wait for this one
+                gate.before_read(name)
             yield name, tensor
             gate.after_read(name)  # the weight loaders have copied it: they ask for the next
 
@@ -293,14 +312,8 @@ def _job() -> str:
 
 
 def _global_rank() -> int:
-    """The worker's rank across the instance's data-parallel replicas."""
+    """The worker's rank in its torch world: vLLM offsets it by the data-parallel rank
+    already, where replicas share one world."""
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    try:
-        from vllm.config import get_current_vllm_config
-
-        parallel = get_current_vllm_config().parallel_config
-        return int(parallel.data_parallel_rank) * int(parallel.world_size) + int(rank)
-    except Exception:
-        return int(rank)
+    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0

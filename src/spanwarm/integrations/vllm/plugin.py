@@ -90,6 +90,10 @@ class _Load:
     def started(self) -> bool:
         return self._started
 
+    def daemon_present(self) -> bool:
+        """Whether the daemon's socket is there at all (a request to none is released)."""
+        return self._client is not None and os.path.exists(self._client.socket)
+
     def start(self) -> GatedReads | None:
         """On the first tensor: the dry run and the request (once; None: load cold)."""
         if self._started:
@@ -207,8 +211,10 @@ def _gated_iterator(
             return
         load = _current.load
         gate = load.start() if load is not None and safetensors_load_strategy in _LAZY else None
-        # With spanwarm's request out, vLLM's own prefetch would read whole files beside it.
-        strategy = "lazy" if gate is not None else safetensors_load_strategy
+        # With spanwarm's request out, vLLM's own prefetch would read whole files beside it;
+        # with no daemon there to answer it, vLLM's prefetch (automatic on NFS) stays.
+        present = load is not None and gate is not None and load.daemon_present()
+        strategy = "lazy" if present else safetensors_load_strategy
         weights = original(hf_weights_files, use_tqdm_on_load, strategy, local_expert_ids, **kwargs)
         if gate is None:
             yield from weights

@@ -151,7 +151,7 @@ def meta_weights(
             if _state.unsupported:
                 raise DryRunUnsupported(_state.unsupported)
             tensor = torch.empty(info.shape, dtype=dtype, device="meta")
-            yield name, recorder.hand_out(name, tensor)
+            yield name, recorder.hand_out((header.path, name), tensor)
 
 
 def dry_run(
@@ -185,16 +185,17 @@ def dry_run(
         )
     regions = recorder.regions()
     spans: list[TensorSpans] = []
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for item in handed_out:
-        if item.name in seen:
+        key = (item.header.path, item.name)  # a name may repeat in another file
+        if key in seen:
             continue
-        seen.add(item.name)
+        seen.add(key)
         info = item.header.tensors[item.index]
         begin = item.header.file_offset(info)
         read = [
             TensorSpans(item.name, item.header.path, begin + off, length, stride, count)
-            for off, length, stride, count in spans_of(regions.get(item.name, []))
+            for off, length, stride, count in spans_of(regions.get(key, []))
         ]
         # get_tensor (safetensors 0.8) reads the tensor's first byte as it hands it out.
         lowest = min((s.offset for s in read), default=None)

@@ -19,7 +19,7 @@ from the real load's; the elements read before it are still exact).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +71,7 @@ class Region:
 
 @dataclass
 class _Handed:
-    name: str
+    name: Hashable
     tensor: torch.Tensor  # kept alive: its storage's id must not be reused
     regions: list[Region] = field(default_factory=list)
 
@@ -82,18 +82,19 @@ class TouchRecorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self._by_storage: dict[int, _Handed] = {}
-        self.order: list[str] = []  # tensors in the order they were handed out
+        self.order: list[Hashable] = []  # tensors in the order they were handed out
 
-    def hand_out(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Follow ``tensor`` (a fresh, contiguous meta tensor) as checkpoint tensor ``name``."""
+    def hand_out(self, name: Hashable, tensor: torch.Tensor) -> torch.Tensor:
+        """Follow ``tensor`` (a fresh, contiguous meta tensor) as the tensor ``name``
+        names (a checkpoint key, or the file and key where names repeat across files)."""
         handed = _Handed(name, tensor)
         self._by_storage[_storage_id(tensor)] = handed
         self.order.append(name)
         return tensor
 
-    def regions(self) -> dict[str, list[Region]]:
+    def regions(self) -> dict[Hashable, list[Region]]:
         """The regions consumed of each tensor handed out (several hand-outs add up)."""
-        out: dict[str, list[Region]] = {}
+        out: dict[Hashable, list[Region]] = {}
         for handed in self._by_storage.values():
             out.setdefault(handed.name, []).extend(handed.regions)
         return out

@@ -26,7 +26,9 @@ where it applies, and the cause, so that callers never parse messages::
     │   │   └── MetadataFormatError     a DCP .metadata file that is not DCP metadata
     │   ├── FileChangedError            a file shrank or was replaced while being warmed
     │   ├── StorageError                the storage failed a read or a lookup (EIO, ESTALE ...)
-    │   ├── PathNotAllowedError         a file outside the daemon's allowed roots
+    │   ├── PathNotAllowedError         a file the daemon may not read or warm
+    │   │   ├── OutsideAllowedRootsError  named outside every --allow root
+    │   │   └── ElsewhereForDaemonError   not at its name in the daemon's own view
     │   └── SpanOutOfRangeError         a span reaches past the end of its file
     └── RequestError                    a Warm request the daemon refuses as a whole
         ├── InvalidRequestError         malformed: ragged columns, bad indices, bad paths
@@ -49,6 +51,7 @@ __all__ = [
     "CheckpointLayoutError",
     "DataSizeMismatchError",
     "DuplicateTensorError",
+    "ElsewhereForDaemonError",
     "FileChangedError",
     "FileTooShortError",
     "HeaderError",
@@ -62,6 +65,7 @@ __all__ = [
     "MetadataFormatError",
     "NoShardsError",
     "NotARegularFileError",
+    "OutsideAllowedRootsError",
     "PathNotAllowedError",
     "RequestError",
     "RequestTooLargeError",
@@ -187,9 +191,20 @@ class StorageError(CheckpointError):
 
 
 class PathNotAllowedError(CheckpointError):
-    """A file lies outside the daemon's allowed roots (symlinks resolved)."""
+    """A file the daemon may not read (``EACCES``, ``EPERM``) or may not warm (below)."""
 
     grpc_code: ClassVar[str] = "PERMISSION_DENIED"
+
+
+class OutsideAllowedRootsError(PathNotAllowedError):
+    """A file lies outside the daemon's allowed roots (symlinks resolved; for a
+    descriptor, as the kernel names it: the path its opener sees)."""
+
+
+class ElsewhereForDaemonError(PathNotAllowedError):
+    """A descriptor named inside an allowed root, but the daemon's own view of the file
+    system has another file (or none) at that name: it was opened in another mount
+    namespace, or through a path that changed."""
 
 
 class SpanOutOfRangeError(CheckpointError):

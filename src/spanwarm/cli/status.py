@@ -66,6 +66,10 @@ def render(status: dict[str, Any]) -> Group:
         f"budget {format_bytes(status['budget_bytes'])}, held {format_bytes(status['held_bytes'])}"
         + (f"  waiting: {status['waiting_reason']}" if status["waiting_for_budget"] else ""),
     ]
+    if status.get("refusals"):  # shown to root and the daemon's user; its log says more
+        lines.append(
+            "refused: " + ", ".join(f"{r['cause']} {r['count']}" for r in status["refusals"])
+        )
     summary = Text("\n").join(shown(line) for line in lines)
     ranks = Table("job", "rank", "tensors", "", "bytes ready", title="ranks", title_justify="left")
     for r in status["ranks"]:

@@ -87,8 +87,10 @@ class AccessServer:
         user_max_files: int,
         trusted: frozenset[int],
         stream_rate: Callable[[int], float] | None = None,
+        refused: Callable[[BaseException], object] | None = None,
     ) -> None:
         self.path = path
+        self.refused = refused  # counts a refused grant by its cause
         self.stream_rate = stream_rate  # st_dev -> learned bytes/s of one stream (0: unknown)
         self.files = files
         self.grants = grants
@@ -190,8 +192,10 @@ class AccessServer:
                 )
             except SpanwarmError as exc:
                 logger.info("access channel: refused uid %d (pid %d): %s", peer.uid, peer.pid, exc)
+                self._count(exc)
                 reply = warmer_pb2.GrantReply(code=exc.grpc_code, reason=str(exc)[:1000])
-            except TimeoutError:
+            except TimeoutError as exc:
+                self._count(exc)
                 reply = warmer_pb2.GrantReply(
                     code="DEADLINE_EXCEEDED",
                     reason=f"the grant was not complete and checked within {GRANT_SECONDS:.0f} s",
@@ -213,6 +217,10 @@ class AccessServer:
             if not self._connections[peer.uid]:
                 del self._connections[peer.uid]
                 self._retire_idle_pools()
+
+    def _count(self, exc: BaseException) -> None:
+        if self.refused is not None:
+            self.refused(exc)
 
     def _slowest_rate(self, files: list[Adopted]) -> float:
         """The learned one-stream rate of the slowest mount among ``files`` (0.0 while one
@@ -323,7 +331,9 @@ class AccessServer:
         files: list[Adopted] = []
         for position, fd in enumerate(fds):
             try:
-                files.append(self.files.adopt(fd, f"descriptor {first + position}"))
+                files.append(
+                    self.files.adopt(fd, f"descriptor {first + position}", who=f"uid {uid}")
+                )
             except BaseException:
                 for rest in fds[position + 1 :]:
                     self.files.close_fd(rest, ("uid", uid))

@@ -28,11 +28,14 @@ import numpy.typing as npt
 
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.file_systems import kernel_file_system
+from spanwarm.daemon.mount_advice import MountAdvice
 from spanwarm.errors import (
     AccessDeniedError,
+    ElsewhereForDaemonError,
     FileChangedError,
     InvalidRequestError,
     NotARegularFileError,
+    OutsideAllowedRootsError,
     PathNotAllowedError,
     RequestTooLargeError,
     ShardMissingError,
@@ -250,6 +253,9 @@ class FileTable:
         close: Callable[[int, Hashable], object] = lambda fd, lane: os.close(fd),
     ) -> None:
         self._roots = tuple(os.path.realpath(root) for root in allow)
+        # The operator hears of grants refused because a job sees its checkpoint at
+        # another path than the daemon does (once per mount).
+        self._advice = MountAdvice(self._roots, _seen_here)
         self._files: dict[FileIdentity, OpenFile] = {}
         self._lock = threading.Lock()
         # How a file's last reference closes it, in the lane of its file system. The
@@ -264,12 +270,13 @@ class FileTable:
             name == root or name.startswith(root.rstrip("/") + "/") for root in self._roots
         )
 
-    def adopt(self, fd: int, label: str) -> Adopted:
+    def adopt(self, fd: int, label: str, *, who: str = "the daemon's user") -> Adopted:
         """Take ownership of ``fd``, a descriptor a caller opened itself (its proof that it
         may read the file), and share it by identity; return the file and the kernel's
         name for this caller's descriptor (what this caller is shown: a shared file's
         ``path`` is whoever opened it first). ``label`` names it in refusals (the caller's
-        own name for it). On any refusal ``fd`` is closed."""
+        own name for it), ``who`` the caller in the operator's log. On any refusal ``fd``
+        is closed."""
         try:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             if flags & _O_PATH or (flags & os.O_ACCMODE) not in (os.O_RDONLY, os.O_RDWR):
@@ -287,13 +294,15 @@ class FileTable:
                 )
             name = kernel_name(fd)
             if not self._allowed(name):
-                raise PathNotAllowedError(
+                self._advice.outside(who, name, st)
+                raise OutsideAllowedRootsError(
                     label,
                     f"is {_shown(name)}, outside the allowed roots {list(self._roots)}",
                 )
             if not _seen_here(name, st):
                 if self._roots:
-                    raise PathNotAllowedError(
+                    self._advice.elsewhere(who, name, st)
+                    raise ElsewhereForDaemonError(
                         label,
                         f"is not at {_shown(name)} as the daemon sees the file system (opened "
                         "in another mount namespace, or through a path that changed): the "
@@ -318,7 +327,7 @@ class FileTable:
             raise InvalidRequestError(f"file {_shown(path)}: a path cannot contain a NUL byte")
         real = os.path.realpath(path)
         if not self._allowed(real):  # refused before it is even stat'ed
-            raise PathNotAllowedError(
+            raise OutsideAllowedRootsError(
                 path,
                 f"resolves to {_shown(real)}, outside the allowed roots {list(self._roots)}",
             )

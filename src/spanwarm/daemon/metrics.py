@@ -50,6 +50,12 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self.refusals = Counter(
+            "spanwarm_refusals",
+            "Refused grants and Warm requests, by cause (as spanwarm status counts them)",
+            ["cause"],
+            registry=r,
+        )
         self.latency = Histogram(
             "spanwarm_warm_operation_seconds",
             "Duration of one warm operation (at most one chunk)",

@@ -63,6 +63,7 @@ from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.metrics import Metrics
+from spanwarm.daemon.refusals import Refusals
 from spanwarm.daemon.request import (
     FAILED,
     PENDING,
@@ -299,6 +300,7 @@ class Node:
         self.bytes_read_total = 0
         self.bytes_verified_total = 0
         self.metrics = Metrics()
+        self.refusals = Refusals()
         available = available_memory(cgroup_root=Path(config.cgroup_root))
         self.budget = parse_budget(config.memory_budget, available)
         self._held: dict[CellKey, int] = {}  # warmed bytes per cell, not yet released
@@ -1162,6 +1164,10 @@ class Node:
             request.events.put_nowait(Event("done"))
 
     # -- status ------------------------------------------------------------------------------
+
+    def refused(self, exc: BaseException) -> None:
+        """Count a refused grant or Warm request by its cause (Status, metrics)."""
+        self.metrics.add(self.metrics.refusals, 1, self.refusals.count(exc))
 
     def status(self, visible: Callable[[Request], bool] | None = None) -> dict[str, Any]:
         """The node's state. With ``visible``, only the ranks it accepts are listed, and

@@ -92,8 +92,8 @@ def _prepare_socket_path(path: str) -> None:
 
 
 def _open_to_group(paths: tuple[str, ...], group: str) -> None:
-    try:
-        gid = grp.getgrnam(group).gr_gid
+    try:  # a number need not be named in the daemon's /etc/group (a container's, say)
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
         raise StartupError(f"--socket-group {group!r}: no such group") from None
     for path in paths:
@@ -119,6 +119,7 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         user_max_files=config.user_max_files,
         trusted=node.trusted_uids,
         stream_rate=node.throughput.bytes_per_s,
+        refused=node.refused,
     )
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE),

@@ -258,6 +258,7 @@ class WarmerService:
                 self.grants.finished(grant)
             if isinstance(exc, SpanwarmError):
                 logger.info("refused a request: %s", exc)
+            self.node.refused(exc)
             # The abort's traceback keeps this frame: not the message with it.
             data = request = beat = b""  # noqa: F841
             await self._refuse(context, exc)
@@ -273,6 +274,7 @@ class WarmerService:
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
+            self.node.refused(exc)
             await self._refuse(context, exc)
         finally:
             self.node.release(live)
@@ -513,6 +515,11 @@ class WarmerService:
                         },
                     )
                     for name, rate, sampled, seek_cost in learned
+                ],
+                # Who was refused what is the operator's to see: trusted callers only.
+                "refusals": [
+                    warmer_pb2.RefusalCount(cause=cause, count=count)
+                    for cause, count in (self.node.refusals.snapshot() if everything else [])
                 ],
             },
         )

@@ -153,7 +153,7 @@ class RankStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., groups: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_failed: _Optional[int] = ..., bytes_requested: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "method", "workers", "seek_cost_bytes", "ranks", "files", "bytes_requested", "bytes_planned", "bytes_warm", "bytes_read_total", "bytes_verified_total", "throughput_bytes_per_s", "eta_s", "queue_depth", "in_flight", "budget_bytes", "held_bytes", "waiting_for_budget", "waiting_reason", "mounts")
+    __slots__ = ("version", "uptime_s", "method", "workers", "seek_cost_bytes", "ranks", "files", "bytes_requested", "bytes_planned", "bytes_warm", "bytes_read_total", "bytes_verified_total", "throughput_bytes_per_s", "eta_s", "queue_depth", "in_flight", "budget_bytes", "held_bytes", "waiting_for_budget", "waiting_reason", "mounts", "refusals")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class StatusReply(_message.Message):
     WAITING_FOR_BUDGET_FIELD_NUMBER: _ClassVar[int]
     WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
     MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     method: str
@@ -196,7 +197,16 @@ class StatusReply(_message.Message):
     waiting_for_budget: int
     waiting_reason: str
     mounts: _containers.RepeatedCompositeFieldContainer[MountStatus]
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., waiting_for_budget: _Optional[int] = ..., waiting_reason: _Optional[str] = ..., mounts: _Optional[_Iterable[_Union[MountStatus, _Mapping]]] = ...) -> None: ...
+    refusals: _containers.RepeatedCompositeFieldContainer[RefusalCount]
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., method: _Optional[str] = ..., workers: _Optional[int] = ..., seek_cost_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FilePlan, _Mapping]]] = ..., bytes_requested: _Optional[int] = ..., bytes_planned: _Optional[int] = ..., bytes_warm: _Optional[int] = ..., bytes_read_total: _Optional[int] = ..., bytes_verified_total: _Optional[int] = ..., throughput_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., waiting_for_budget: _Optional[int] = ..., waiting_reason: _Optional[str] = ..., mounts: _Optional[_Iterable[_Union[MountStatus, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[RefusalCount, _Mapping]]] = ...) -> None: ...
+
+class RefusalCount(_message.Message):
+    __slots__ = ("cause", "count")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    count: int
+    def __init__(self, cause: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class MountStatus(_message.Message):
     __slots__ = ("mount", "stream_bytes_per_s", "sampled_bytes", "seek_cost_bytes", "seek_probe_due")

@@ -47,7 +47,20 @@ check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: check $(VLLM_STAMP)
+# The container image's test (tests/container) builds the daemon image with podman from
+# Debian's packages: podman, mmdebstrap and runc are installed when we are root, otherwise
+# it skips. The image is kept in podman's storage, so only a change rebuilds it.
+CONTAINER_STAMP := $(VENV)/.container-tools
+
+$(CONTAINER_STAMP): $(STAMP)
+	if [ "$$(id -u)" = 0 ] && ! { command -v podman && command -v mmdebstrap && command -v runc; } >/dev/null; then \
+		{ apt-get install -y -qq podman mmdebstrap runc >/dev/null 2>&1 \
+			|| { apt-get update -qq && apt-get install -y -qq podman mmdebstrap runc; }; } \
+			|| echo "podman/mmdebstrap/runc not installed: the container test will skip"; \
+	fi
+	touch $@
+
+test: check $(VLLM_STAMP) $(CONTAINER_STAMP)
 	$(BIN)/pytest
 	$(VLLM_VENV)/bin/pytest tests/vllm
 

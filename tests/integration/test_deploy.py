@@ -109,6 +109,27 @@ def test_daemonset_shares_the_socket_and_mounts_checkpoints_read_only() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
+def test_daemon_and_jobs_see_the_checkpoints_at_the_same_path() -> None:
+    """--allow is checked on the path a rank opened each file at: the daemon must mount the
+    checkpoints where the node and the job pods have them (tests/container runs it)."""
+    (daemonset,) = manifests("daemonset.yaml")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["checkpoints"] == host["checkpoints"]
+    args = container["args"]
+    assert args[args.index("--allow") + 1] == host["checkpoints"]
+    readme = (DEPLOY / "kubernetes" / "README.md").read_text()
+    assert f"mountPath: {host['checkpoints']}, readOnly: true" in readme  # the job pod's
+    (sidecar_pod,) = manifests("sidecar-pod.yaml")
+    _, sidecar = sidecar_pod["spec"]["initContainers"]
+    (trainer,) = sidecar_pod["spec"]["containers"]
+    at = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}["checkpoints"]
+    assert at == {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}["checkpoints"]
+    assert sidecar["args"][sidecar["args"].index("--allow") + 1] == at
+
+
 def test_sidecar_is_a_native_sidecar_sharing_the_socket() -> None:
     (pod,) = manifests("sidecar-pod.yaml")
     prepare, sidecar = pod["spec"]["initContainers"]

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench bench-quick protos clean
+.PHONY: demo test check bench bench-quick bench-vllm protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,13 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run_all.py --quick --output /tmp/spanwarm-BENCHMARKS-quick.md
+
+# The vLLM server-start benchmark, beside the peer loaders vLLM can use instead (into the
+# vLLM environment only: the tests do not need them).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-vllm.txt \
+		runai-model-streamer fastsafetensors
+	$(VLLM_VENV)/bin/python bench/bench_vllm_load.py --reps 3 --json /tmp/spanwarm-vllm-bench.json
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -2,7 +2,8 @@
 
     .venv-vllm/bin/python bench/bench_vllm_load.py [--mounts local,cross-region] [--reps 2]
 
-Runs in the vLLM environment (``make .venv-vllm/.installed``). A random dense Llama of
+Runs in the vLLM environment with the peer loaders (``make bench-vllm`` installs them into
+``.venv-vllm`` and runs this with its defaults). A random dense Llama of
 about 0.4 GB in 4 safetensors shards (written once under ``--work``) is served by the
 emulated mount (``bench.slowfs``: ``local`` passes reads straight through, ``cross-region``
 adds the seed's 50 ms a seek and 0.24 GiB/s a stream), mounted once per mount kind and
@@ -15,7 +16,13 @@ Arms, interleaved per repetition:
 - ``default``: vLLM's default loader (zero-copy views of the mapping, read as its weight
   loaders copy);
 - ``prefetch``: ``--safetensors-load-strategy prefetch`` (whole files, split by rank);
+- ``runai_streamer``: ``--load-format runai_streamer`` (runai-model-streamer's concurrent
+  reads of every tensor the rank loads);
+- ``fastsafetensors``: ``--load-format fastsafetensors`` (where it runs: vLLM asks it for
+  a ``cuda:<rank>`` device, which a CPU build does not have);
 - ``spanwarm``: the default loader with ``SPANWARM_VLLM=1`` and a daemon on the node.
+
+An arm whose server does not start says why in the table (the error it ended with).
 
 Reported per arm (medians): the whole ``LLM(...)`` start, the weights' load as vLLM logs
 it ("Loading weights took", the slowest rank), bytes read from storage (the mount's
@@ -44,9 +51,11 @@ from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.residency import PAGE, evict, resident_bytes
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
-ARMS = ("default", "prefetch", "spanwarm")
+ARMS = ("default", "prefetch", "runai_streamer", "fastsafetensors", "spanwarm")
+LOAD_FORMATS = ("runai_streamer", "fastsafetensors")
 _WEIGHTS = re.compile(r"Loading weights took ([0-9.]+) seconds")
 _DRY_RUN = re.compile(r"spanwarm: rank \d+ reads .*\(dry run, ([0-9.]+) s\)")
+_ERROR = re.compile(r"(?:^|\] )\s*(?:\w+\.)*(\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
 
 
 def write_model(directory: Path) -> Path:
@@ -79,6 +88,8 @@ def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, An
     args = ["--tp", "2"]
     if arm == "prefetch":
         args += ["--load-strategy", "prefetch"]
+    elif arm in LOAD_FORMATS:
+        args += ["--load-format", arm]
     elif arm == "spanwarm":
         env.update(SPANWARM_VLLM="1", SPANWARM_SOCKET=socket, SPANWARM_VLLM_SPANS_DIR=str(spans))
     files = [fs.path(p.name) for p in sorted(model.glob("*.safetensors"))]
@@ -96,6 +107,8 @@ def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, An
     log = done.stdout + done.stderr
     result = [line for line in done.stdout.splitlines() if line.startswith('{"tokens"')]
     if done.returncode or not result:
+        if arm in LOAD_FORMATS:  # a peer that does not run here: the table says why
+            return {"arm": arm, "error": did_not_start(log)}
         raise RuntimeError(f"{arm} failed:\n{log[-4000:]}")
     cached = 0
     for path in files:
@@ -117,6 +130,14 @@ def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, An
         record["touched_bytes"] = touched_bytes(spans)
         record["dry_run_s"] = max((float(s) for s in _DRY_RUN.findall(log)), default=None)
     return record
+
+
+def did_not_start(log: str) -> str:
+    """The first error a server's log names besides vLLM's own wrap-ups."""
+    for kind, message in _ERROR.findall(log):
+        if "initialization failed" not in message and "failed to start" not in message:
+            return f"{kind}: {message.strip()}"[:120]
+    return "the server did not start"
 
 
 def touched_bytes(spans_dir: Path) -> int:
@@ -157,7 +178,7 @@ def main() -> None:
                         record.update(run(arm, fs, model, daemon.socket, args.work))
                         runs.append(record)
                         print(json.dumps(record), flush=True)
-    tokens = {tuple(r["tokens"]) for r in runs}
+    tokens = {tuple(r["tokens"]) for r in runs if "tokens" in r}
     print(f"tokens equal in every run: {len(tokens) == 1}")
     print(summary(runs))
     if args.json:
@@ -175,7 +196,11 @@ def summary(runs: list[dict[str, Any]]) -> str:
         base = statistics.median(r["start_s"] for r in of if r["arm"] == "default")
         base_w = statistics.median(r["weights_s"] for r in of if r["arm"] == "default")
         for arm in dict.fromkeys(r["arm"] for r in of):
-            mine = [r for r in of if r["arm"] == arm]
+            mine = [r for r in of if r["arm"] == arm and "error" not in r]
+            if not mine:
+                error = next(r["error"] for r in of if r["arm"] == arm)
+                lines.append(f"| {preset} | {arm} | did not run here: {error} | | | | | |")
+                continue
             start = statistics.median(r["start_s"] for r in mine)
             weights = statistics.median(r["weights_s"] for r in mine)
             lines.append(

@@ -1,6 +1,7 @@
 """Start a vLLM engine on CPU (``vllm.LLM``), generate a few tokens, print them as JSON.
 
-``python bench/vllm_serve.py MODEL --tp N [--pp N] [--ep] [--no-generate]``: the last line of
+``python bench/vllm_serve.py MODEL --tp N [--pp N] [--ep] [--no-generate]
+[--load-strategy S] [--load-format F]``: the last line of
 stdout is ``{"tokens": [...], "start_s": ...}``. Run as its own process: vLLM spawns its
 workers, and the plugin (``SPANWARM_VLLM``) is switched by the environment.
 """
@@ -22,6 +23,7 @@ def main() -> None:
     parser.add_argument("--ep-filter", action="store_true")
     parser.add_argument("--no-generate", action="store_true")
     parser.add_argument("--load-strategy", default=None)
+    parser.add_argument("--load-format", default="auto")
     args = parser.parse_args()
     workers = args.tp * args.pp
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,6 +43,7 @@ def main() -> None:
         max_model_len=128,
         enforce_eager=True,
         dtype="bfloat16",
+        load_format=args.load_format,
         **extra,
     )
     start_s = time.monotonic() - began

@@ -2,17 +2,22 @@
 bytes its weight loaders will copy, and each tensor is read once it is warm.
 
 :func:`install` runs from vLLM's general plugin entry point in every process, workers
-included, before the model is built, where ``SPANWARM_VLLM=1``. It wraps two things of
+included, before the model is built, where ``SPANWARM_VLLM=1``. It wraps three things of
 vLLM's default loader:
 
-- ``DefaultModelLoader.load_weights``: the load, from the first tensor handed out to the
-  end, during which the worker's request lives;
+- ``DefaultModelLoader.load_model``: where the checkpoint is a local directory of
+  safetensors files, the dry run (:mod:`.dry_run`) names this rank's reads before the
+  model is even built, and they are requested then: the daemon warms while the worker
+  builds its model;
+- ``DefaultModelLoader.load_weights``: the load of the weights, at whose end the
+  worker's request ends;
 - the safetensors iterator it calls (``default_loader.safetensors_weights_iterator``): on
-  its first tensor, the dry run (:mod:`.dry_run`) names this rank's reads and they are
-  requested; then each tensor waits until it is warm (or until reading it here is
-  sooner), is handed to the weight loaders, and is reported read when they ask for the
-  next one. vLLM's own whole-file prefetch (automatic on NFS and Lustre) is not started
-  beside spanwarm's request.
+  its first tensor, the dry run and the request where they were not made before (a
+  remote model's files are known only now; a reload of a built model's weights); then
+  each tensor waits until it is warm (or until reading it here is sooner), is handed to
+  the weight loaders, and is reported read when they ask for the next one. vLLM's own
+  whole-file prefetch (automatic on NFS and Lustre) is not started beside spanwarm's
+  request.
 
 Loads that do not go through that iterator (other load formats and strategies) get one
 log line saying so and run as they would without spanwarm. Nothing here fails a load:
@@ -61,13 +66,14 @@ def install() -> None:
 
         loader_class = default_loader.DefaultModelLoader
         iterator = default_loader.safetensors_weights_iterator
-        for needed in ("get_all_weights", "load_weights"):
+        for needed in ("get_all_weights", "load_weights", "load_model"):
             if not callable(getattr(loader_class, needed, None)):
                 raise RuntimeError(f"DefaultModelLoader.{needed} is missing")
         default_loader.safetensors_weights_iterator = _gated_iterator(
             iterator, _natural_sort_key, should_skip_weight
         )
         loader_class.load_weights = _load_weights(loader_class.load_weights)
+        loader_class.load_model = _load_model(loader_class.load_model)
         BaseModelLoader.__init__ = _say_what_other_loaders_get(
             BaseModelLoader.__init__, loader_class
         )
@@ -76,14 +82,20 @@ def install() -> None:
 
 
 class _Load:
-    """One ``load_weights`` call of a worker: its request, made on its first tensor."""
+    """One load of a worker's model by the default loader and its request: made before
+    the model is built (:meth:`start_early`), where the checkpoint is a local directory
+    of safetensors files, so that the daemon warms while the model is built; else on the
+    first tensor handed out (:meth:`start`)."""
 
-    def __init__(self, loader: Any, model: Any, model_config: Any) -> None:
-        self.loader, self.model, self.model_config = loader, model, model_config
+    def __init__(self, loader: Any, model_config: Any, vllm_config: Any = None) -> None:
+        self.loader, self.model_config, self.vllm_config = loader, model_config, vllm_config
+        self.model: Any = None  # the model being loaded, once built
         self.gate: GatedReads | None = None
         self.plan: DryRun | None = None
         self.upcoming: Iterator[str] = iter(())  # the names handed out next, in order
+        self.loading = False  # load_weights is running for this load
         self._started = False
+        self._ended = False
         self._client: Any = None
 
     @property
@@ -94,31 +106,59 @@ class _Load:
         """Whether the daemon's socket is there at all (a request to none is released)."""
         return self._client is not None and os.path.exists(self._client.socket)
 
+    def start_early(self) -> None:
+        """Before the model is built: the dry run on its meta twin alone, and the request.
+        Where that fails, :meth:`start` tries again with the real model."""
+        if self._started:
+            return
+        try:
+            if not _local_safetensors(self.model_config):
+                return
+            if _client_disabled() and not os.environ.get(SPANS_DIR):
+                self._started = True  # SPANWARM_DISABLE: nothing would be asked for
+                return
+            plan = loader_dry_run(self.loader, self.model_config, self.vllm_config)
+        except Exception as exc:  # the twin could not be built: on the first tensor
+            logger.debug("spanwarm: no dry run before the model is built (%s)", exc)
+            return
+        self._started = True
+        self._begin(plan)
+
     def start(self) -> GatedReads | None:
-        """On the first tensor: the dry run and the request (once; None: load cold)."""
+        """On the first tensor: the dry run and the request, unless made before the
+        model was built (once; None: load cold)."""
         if self._started:
             return self.gate
         self._started = True
         if _client_disabled() and not os.environ.get(SPANS_DIR):
             return None  # SPANWARM_DISABLE: nothing would be asked for
         try:
-            self.plan = self._dry_run()
-            if not self.plan.exact:
-                logger.warning(
-                    "spanwarm: the dry run cannot tell this rank's reads (%s); warming the "
-                    "tensors it is handed, whole",
-                    self.plan.reason,
-                )
-            self.gate = self._request(self.plan)
+            plan = self._dry_run()
         except Exception as exc:
             logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
-            self.gate = None
+            return None
+        self._begin(plan)
         return self.gate
 
     def _dry_run(self) -> DryRun:
         from vllm.config import get_current_vllm_config
 
-        return loader_dry_run(self.loader, self.model_config, get_current_vllm_config(), self.model)
+        config = self.vllm_config or get_current_vllm_config()
+        return loader_dry_run(self.loader, self.model_config, config, self.model)
+
+    def _begin(self, plan: DryRun) -> None:
+        self.plan = plan
+        if not plan.exact:
+            logger.warning(
+                "spanwarm: the dry run cannot tell this rank's reads (%s); warming the "
+                "tensors it is handed, whole",
+                plan.reason,
+            )
+        try:
+            self.gate = self._request(plan)
+        except Exception as exc:
+            logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
+            self.gate = None
 
     def _request(self, plan: DryRun) -> GatedReads | None:
         from spanwarm.client import Client
@@ -145,6 +185,9 @@ class _Load:
 
     def end(self) -> None:
         """The load is over: the request ends (the daemon drops warming only it needed)."""
+        if self._ended:
+            return
+        self._ended = True
         gate = self.gate
         try:
             if gate is not None:
@@ -163,6 +206,20 @@ class _Load:
                     self._client.close()
 
 
+def _local_safetensors(model_config: Any) -> bool:
+    """Whether the checkpoint is a local directory the default loader reads safetensors
+    files of (its "auto" choice where any is there): only then is the dry run sure to
+    read headers alone before the model is built. (A torchao checkpoint is read by
+    another strategy, which load_weights picks.)"""
+    if getattr(model_config, "quantization", None) == "torchao":
+        return False
+    path = getattr(model_config, "model", None)
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return False
+    with os.scandir(path) as entries:
+        return any(e.name.endswith(".safetensors") for e in entries)
+
+
 class _Current(threading.local):
     load: _Load | None = None
 
@@ -170,27 +227,54 @@ class _Current(threading.local):
 _current = _Current()
 
 
+def _load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's load from the start: the request goes out before the model is built."""
+
+    @functools.wraps(original)
+    def load_model(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kw: Any) -> Any:
+        if _why_not(self.load_config) is not None:
+            return original(self, vllm_config, model_config, *args, **kw)
+        load = _Load(self, model_config, vllm_config)
+        _current.load = load
+        try:
+            load.start_early()
+            return original(self, vllm_config, model_config, *args, **kw)
+        finally:
+            _current.load = None
+            load.end()
+
+    return load_model
+
+
 def _load_weights(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_weights(self: Any, model: Any, model_config: Any) -> Any:
-        try:
-            why_not = _not_warmed(self.load_config)
-        except Exception as exc:
-            why_not = f"its load settings are unknown to spanwarm ({exc})"
+        why_not = _why_not(self.load_config)
         if why_not is not None:
             _say_once(why_not)
             return original(self, model, model_config)
-        load = _Load(self, model, model_config)
-        _current.load = load
+        load = _current.load
+        if load is None or load.loader is not self or load.loading or load.model is not None:
+            load = _Load(self, model_config)  # weights loaded into a built model (a reload)
+        load.model, load.loading = model, True
+        previous, _current.load = _current.load, load
         try:
             return original(self, model, model_config)
         finally:
-            _current.load = None
+            _current.load = previous
+            load.loading = False
             load.end()
             if not load.started:
                 _say_once("no safetensors files in this load: spanwarm warms nothing")
 
     return load_weights
+
+
+def _why_not(load_config: Any) -> str | None:
+    try:
+        return _not_warmed(load_config)
+    except Exception as exc:
+        return f"its load settings are unknown to spanwarm ({exc})"
 
 
 def _gated_iterator(
@@ -210,6 +294,8 @@ def _gated_iterator(
             yield from meta_weights(hf_weights_files, local_expert_ids, sort_key, skip)
             return
         load = _current.load
+        if load is not None and not load.loading:
+            load = None  # not within this load's load_weights
         gate = load.start() if load is not None and safetensors_load_strategy in _LAZY else None
         # With spanwarm's request out, vLLM's own prefetch would read whole files beside it;
         # with no daemon there to answer it, vLLM's prefetch (automatic on NFS) stays.

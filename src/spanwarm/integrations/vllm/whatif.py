@@ -140,10 +140,7 @@ def _dry_run_here(model: str, layout: Layout, rank: int) -> dict[str, object]:
         init_distributed_environment(world, rank, "env://", rank, backend="fake")
         initialize_model_parallel(layout.tp, layout.pp, backend="fake")
         loader = get_model_loader(config.load_config)
-        model_config = config.model_config
-        if hasattr(loader, "_init_ep_weight_filter"):
-            loader._init_ep_weight_filter(model_config)
-        plan = loader_dry_run(loader, model_config, config, None, budget_s=float("inf"))
+        plan = loader_dry_run(loader, config.model_config, config, budget_s=float("inf"))
     return {
         "spans": [[s.tensor, s.path, s.offset, s.length, s.stride, s.count] for s in plan.spans],
         "exact": plan.exact,

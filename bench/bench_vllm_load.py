@@ -24,11 +24,15 @@ Arms, interleaved per repetition:
 
 An arm whose server does not start says why in the table (the error it ended with).
 
-Reported per arm (medians): the whole ``LLM(...)`` start, the weights' load as vLLM logs
-it ("Loading weights took", the slowest rank), bytes read from storage (the mount's
-counter), and the checkpoint's page cache right after the start. ``touched``: the pages
-the node's ranks read, from the dry run (exact: tests/vllm); ``dry run s``: its time in
-the slowest rank. Tokens must be equal in every run. ``--json PATH`` writes every run.
+Reported per arm (medians): the whole ``LLM(...)`` start; the model's load in the slowest
+worker (the model runner's ``load_model``: building the model, the dry run for spanwarm,
+reading the weights; timed the same way for every load format by the benchmark's own
+vLLM plugin, ``bench/vllm_timing``); the weights' load as vLLM's default loader logs it
+("Loading weights took", the slowest rank; other loaders log none); bytes read from
+storage (the mount's counter), and the checkpoint's page cache right after the start.
+``touched``: the pages the node's ranks read, from the dry run (exact: tests/vllm);
+``dry run s``: its time in the slowest rank. Tokens must be equal in every run.
+``--json PATH`` writes every run.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.residency import PAGE, evict, resident_bytes
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
+TIMING_PLUGIN = Path(__file__).with_name("vllm_timing")
 ARMS = ("default", "prefetch", "runai_streamer", "fastsafetensors", "spanwarm")
 LOAD_FORMATS = ("runai_streamer", "fastsafetensors")
 _WEIGHTS = re.compile(r"Loading weights took ([0-9.]+) seconds")
+_MODEL_LOAD = re.compile(r"spanwarm-bench: rank \d+ loaded its model in ([0-9.]+) s")
 _DRY_RUN = re.compile(r"spanwarm: rank \d+ reads .*\(dry run, ([0-9.]+) s\)")
 _ERROR = re.compile(r"(?:^|\] )\s*(?:\w+\.)*(\w*(?:Error|Exception)): (.+)$", re.MULTILINE)
 
@@ -84,7 +90,12 @@ def write_model(directory: Path) -> Path:
 def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, Any]:
     """One cold start of ``arm`` on mount ``fs`` of ``model``."""
     spans = Path(tempfile.mkdtemp(prefix="spans-", dir=work))
-    env = {**os.environ, "SPANWARM_VLLM": "0", "PYTHONPATH": str(SERVE.parents[1])}
+    env = {
+        **os.environ,
+        "SPANWARM_VLLM": "0",
+        "SPANWARM_BENCH_TIMING": "1",
+        "PYTHONPATH": os.pathsep.join([str(SERVE.parents[1]), str(TIMING_PLUGIN)]),
+    }
     args = ["--tp", "2"]
     if arm == "prefetch":
         args += ["--load-strategy", "prefetch"]
@@ -121,7 +132,8 @@ def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, An
     record = {
         "arm": arm,
         "start_s": out["start_s"],
-        "weights_s": max(float(s) for s in _WEIGHTS.findall(log)),
+        "weights_s": max((float(s) for s in _WEIGHTS.findall(log)), default=None),
+        "model_load_s": max(float(s) for s in _MODEL_LOAD.findall(log)),
         "read_bytes": fs.stats()["bytes"] - before,
         "cached_bytes": cached,
         "tokens": out["tokens"],
@@ -186,38 +198,47 @@ def main() -> None:
 
 
 def summary(runs: list[dict[str, Any]]) -> str:
+    """Per mount and arm, medians; ratios are default/arm paired within a repetition."""
     lines = [
-        "| mount | arm | start s | weights s | read MiB | page cache MiB | default / arm: start "
-        "| weights |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mount | arm | start s | model load s | weights s | read MiB | page cache MiB "
+        "| default/arm: start | model load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for preset in dict.fromkeys(r["mount"] for r in runs):
         of = [r for r in runs if r["mount"] == preset]
-        base = statistics.median(r["start_s"] for r in of if r["arm"] == "default")
-        base_w = statistics.median(r["weights_s"] for r in of if r["arm"] == "default")
+        default = {r["rep"]: r for r in of if r["arm"] == "default"}
         for arm in dict.fromkeys(r["arm"] for r in of):
             mine = [r for r in of if r["arm"] == arm and "error" not in r]
             if not mine:
                 error = next(r["error"] for r in of if r["arm"] == arm)
-                lines.append(f"| {preset} | {arm} | did not run here: {error} | | | | | |")
+                lines.append(f"| {preset} | {arm} | did not run here: {error} | | | | | | |")
                 continue
-            start = statistics.median(r["start_s"] for r in mine)
-            weights = statistics.median(r["weights_s"] for r in mine)
+            paired = [(default[r["rep"]], r) for r in mine if r["rep"] in default]
+            weights = [r["weights_s"] for r in mine if r.get("weights_s") is not None]
             lines.append(
-                f"| {preset} | {arm} | {start:.1f} "
-                f"| {weights:.2f} "
-                f"| {statistics.median(r['read_bytes'] for r in mine) / 2**20:.0f} "
-                f"| {statistics.median(r['cached_bytes'] for r in mine) / 2**20:.0f} "
-                f"| {base / start:.2f} | {base_w / weights:.2f} |"
+                f"| {preset} | {arm} | {_median(mine, 'start_s'):.1f} "
+                f"| {_median(mine, 'model_load_s'):.2f} "
+                f"| {f'{statistics.median(weights):.2f}' if weights else '-'} "
+                f"| {_median(mine, 'read_bytes') / 2**20:.0f} "
+                f"| {_median(mine, 'cached_bytes') / 2**20:.0f} "
+                f"| {_paired(paired, 'start_s'):.2f} | {_paired(paired, 'model_load_s'):.2f} |"
             )
         touched = [r["touched_bytes"] for r in of if "touched_bytes" in r]
         if touched:
             dry = max(r["dry_run_s"] or 0 for r in of if "dry_run_s" in r)
             lines.append(
-                f"| {preset} | touched by the ranks (dry run {dry:.2f} s) | | "
+                f"| {preset} | touched by the ranks (dry run {dry:.2f} s) | | | "
                 f"| {touched[0] / 2**20:.0f} | | | |"
             )
     return "\n".join(lines)
+
+
+def _paired(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> float:
+    return float(statistics.median(d[key] / r[key] for d, r in pairs))
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return float(statistics.median(r[key] for r in runs))
 
 
 if __name__ == "__main__":

@@ -40,4 +40,4 @@ def register() -> None:
             print(line, file=sys.stderr, flush=True)
 
     load_model._timed = True  # type: ignore[attr-defined]
-    CPUModelRunner.load_model = load_model  # type: ignore[method-assign]
+    CPUModelRunner.load_model = load_model

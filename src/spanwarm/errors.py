@@ -75,6 +75,7 @@ __all__ = [
     "SpanwarmError",
     "StorageError",
     "TensorSizeMismatchError",
+    "TooManyConnectionsError",
     "UnauthenticatedError",
     "UnknownDtypeError",
 ]
@@ -227,6 +228,11 @@ class RequestTooLargeError(RequestError):
     """Over one of the daemon's per-request limits (spans, files, cells touched, rows)."""
 
     grpc_code: ClassVar[str] = "RESOURCE_EXHAUSTED"
+
+
+class TooManyConnectionsError(RequestTooLargeError):
+    """A uid, or users together, already hold as many connections to the socket as they
+    may (closed before any byte: the caller's channel sees UNAVAILABLE)."""
 
 
 class UnauthenticatedError(RequestError):

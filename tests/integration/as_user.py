@@ -256,6 +256,48 @@ def hog(args: dict[str, Any]) -> dict[str, Any]:
     return {"held": len(held)}
 
 
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _still_open(conns: list[socket.socket]) -> int:
+    """How many of ``conns`` the daemon has not closed (whatever it sent is read away)."""
+    alive = 0
+    for conn in conns:
+        try:
+            while conn.recv(65536, socket.MSG_DONTWAIT):
+                pass
+        except BlockingIOError:
+            alive += 1
+        except OSError:
+            pass
+    return alive
+
+
+@action
+def grpc_hog(args: dict[str, Any]) -> dict[str, Any]:
+    """Open ``connections`` connections to the gRPC socket; where ``speak``, say HTTP/2's
+    preface and SETTINGS (as a channel does), then nothing. Print how many are still
+    open a second later, and again after ``seconds``."""
+    held = []
+    for _ in range(args["connections"]):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(args["socket"])
+            if args["speak"]:
+                conn.sendall(_HTTP2_HELLO)
+        except OSError:
+            conn.close()
+            continue
+        held.append(conn)
+    time.sleep(1.0)
+    print(json.dumps({"opened": len(held), "open": _still_open(held)}), flush=True)
+    time.sleep(args["seconds"])
+    result = {"opened": len(held), "open": _still_open(held)}
+    for conn in held:
+        conn.close()
+    return result
+
+
 @action
 def fd_flood(args: dict[str, Any]) -> dict[str, Any]:
     """Send one descriptor of ``path`` 253 times per datagram, ``datagrams`` times, then

@@ -355,6 +355,50 @@ def test_one_users_idle_connections_do_not_lock_out_another(area: Area) -> None:
             hog.wait()
 
 
+def test_roots_status_answers_while_a_user_holds_every_connection_it_may(area: Area) -> None:
+    """With 1,024 descriptors, users may hold 32 connections to the gRPC socket, one uid
+    16 (docs/daemon.md): Mallory's 300 get 16, the daemon's descriptors stay bounded,
+    root's status answers at once, Alice still warms, and the refusals are counted."""
+    with group_daemon(area, open_files=1024) as daemon:
+        descriptors = f"/proc/{daemon.process.pid}/fd"
+        before = len(os.listdir(descriptors))
+        hog = start_as_user(
+            MALLORY, "grpc_hog", socket=daemon.socket, connections=300, speak=True, seconds=3
+        )
+        try:
+            assert hog.stdout is not None
+            held = json.loads(hog.stdout.readline())
+            assert held["open"] == 16, held
+            assert len(os.listdir(descriptors)) <= before + 3 * 16 + 8
+            began = time.monotonic()
+            with Client(daemon.socket) as root:
+                status = root.status()
+            assert time.monotonic() - began < 1.0
+            refused = {r["cause"]: r["count"] for r in status["refusals"]}
+            assert refused.get("too_many_connections", 0) >= 300 - 16, status
+            result = as_user(
+                ALICE, "client_warm", socket=daemon.socket, paths=[str(area.own)], length=4096
+            )
+            assert result["ready"] == 1, result
+        finally:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_connection_that_never_speaks_is_closed_and_counted_no_more(area: Area) -> None:
+    """gRPC closes a connection that has not said its preface within 10 s; the door
+    closes the caller's end and frees the uid's place for a connection that speaks."""
+    with group_daemon(area, open_files=1024) as daemon:
+        mute = as_user(
+            MALLORY, "grpc_hog", socket=daemon.socket, connections=16, speak=False, seconds=11
+        )
+        assert mute == {"opened": 16, "open": 0}, mute
+        speaking = as_user(
+            MALLORY, "grpc_hog", socket=daemon.socket, connections=16, speak=True, seconds=0
+        )
+        assert speaking["open"] == 16, speaking
+
+
 def test_a_descriptor_sent_thousands_of_times_is_held_once(area: Area) -> None:
     with group_daemon(area, "--user-max-files", "5000") as daemon:
         flood = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=8)
@@ -647,8 +691,9 @@ def test_the_per_user_default_directory_is_created_private(area: Area) -> None:
 def test_one_uid_holds_at_most_half_the_descriptors_the_daemon_leaves_to_users(
     area: Area,
 ) -> None:
-    """With 1,024 descriptors: 256 kept for root and the daemon's user, 768 for users,
-    384 for one uid, whatever --user-max-files says; another user still gets its grant."""
+    """With 1,024 descriptors: 256 kept for root and the daemon's user, 768 for users, of
+    them 672 for files, 336 for one uid, whatever --user-max-files says; another user still
+    gets its grant."""
     with group_daemon(area, "--user-max-files", "100000", open_files=1024) as daemon:
         held = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=1)
         over = as_user(MALLORY, "fd_flood", socket=daemon.socket, path=str(area.own), datagrams=1)
@@ -656,8 +701,8 @@ def test_one_uid_holds_at_most_half_the_descriptors_the_daemon_leaves_to_users(
             ALICE, "client_warm", socket=daemon.socket, paths=[str(area.own)], length=4096
         )
     assert held["code"] == "OK", held  # 253 references, an unused grant
-    assert over["code"] == "RESOURCE_EXHAUSTED", over  # 506 > 384
-    assert "more than 384 files" in over["details"], over
+    assert over["code"] == "RESOURCE_EXHAUSTED", over  # 506 > 336
+    assert "more than 336 files" in over["details"], over
     assert other["ready"] == 1, other
 
 

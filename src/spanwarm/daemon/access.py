@@ -27,7 +27,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import resource
 import socket
 import struct
 import time
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 
 from spanwarm.daemon.admission import Adopted, FileTable
+from spanwarm.daemon.descriptors import RESERVE_SHARE, users_files
 from spanwarm.daemon.grants import Grants, Peer
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.errors import InvalidRequestError, RequestTooLargeError, SpanwarmError
@@ -60,22 +60,6 @@ class _Closed(Exception):
     """The caller hung up before finishing its grant: nobody to answer."""
 
 
-# The share of the daemon's descriptors kept for root and its own user, at least
-# _RESERVE_MIN: users' grants and requests never take them.
-_RESERVE_SHARE = 0.25
-_RESERVE_MIN = 256
-
-
-def users_descriptors() -> int:
-    """How many files all users' grants and requests together may hold open: the
-    daemon's descriptor limit less the reserve (sockets, logs, the warm engine's streams,
-    and root's and the daemon's own user's files)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
-    return max(1, soft - max(_RESERVE_MIN, int(soft * _RESERVE_SHARE)))
-
-
 class AccessServer:
     def __init__(
         self,
@@ -96,10 +80,10 @@ class AccessServer:
         self.grants = grants
         self.max_files = max_files
         # Descriptors are the daemon's scarcest resource: every file of a live grant or
-        # request stays open. Users share what the limit leaves after a reserve for root
-        # and the daemon's user (the liveness probe, root's status, their loads), and
-        # one uid gets at most half of that, whatever --user-max-files says.
-        self.users_max_files = users_descriptors()
+        # request stays open. Users' files share what the limit leaves after the reserve
+        # and the connections (spanwarm.daemon.descriptors), and one uid gets at most
+        # half of that, whatever --user-max-files says.
+        self.users_max_files = users_files()
         self.user_max_files = min(user_max_files, max(1, self.users_max_files // 2))
         self.trusted = trusted
         self._listener: socket.socket | None = None
@@ -287,8 +271,9 @@ class AccessServer:
                 if peer.uid not in self.trusted and users + len(got) > self.users_max_files:
                     raise RequestTooLargeError(
                         f"the daemon's descriptors for users are in use: {users} of "
-                        f"{self.users_max_files} (its RLIMIT_NOFILE less {_RESERVE_SHARE:.0%} "
-                        "kept for root and the daemon's user); try again when loads end"
+                        f"{self.users_max_files} (its RLIMIT_NOFILE less {RESERVE_SHARE:.0%} "
+                        "kept for root and the daemon's user, less users' connections); try "
+                        "again when loads end"
                     )
             except BaseException:
                 for fd in got:

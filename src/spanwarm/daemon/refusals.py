@@ -1,4 +1,5 @@
-"""Refused grants and Warm requests, counted by cause, for ``spanwarm status`` and metrics.
+"""Refused connections, grants and Warm requests, counted by cause, for ``spanwarm
+status`` and metrics.
 
 A refusal reaches only the caller (its rank logs one warning and loads cold), so a
 mistake the operator made, like a checkpoint mounted at another path for the daemon
@@ -22,6 +23,7 @@ from spanwarm.errors import (
     SpanOutOfRangeError,
     SpanwarmError,
     StorageError,
+    TooManyConnectionsError,
     UnauthenticatedError,
 )
 
@@ -37,6 +39,7 @@ _CAUSES: tuple[tuple[type[SpanwarmError], str], ...] = (
     (ShardMissingError, "not_found"),
     (SpanOutOfRangeError, "out_of_range"),
     (StorageError, "storage"),
+    (TooManyConnectionsError, "too_many_connections"),
     (RequestTooLargeError, "over_a_limit"),
     (InvalidRequestError, "invalid_request"),
     (UnauthenticatedError, "unauthenticated"),

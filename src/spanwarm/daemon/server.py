@@ -1,11 +1,12 @@
 """The daemon's lifecycle: bind, serve, drain on SIGTERM within a bound, shut down.
 
-The Unix sockets (gRPC, and the access channel beside it) are created under a
-restrictive umask, so they are never more open than 0600 (0660 once handed to
-``--socket-group``), in a directory no other user controls (else the daemon refuses to
-start: exit 2). ``--listen`` is a second gRPC server on loopback TCP with the health
-service only: TCP cannot say who is calling. The gRPC health service goes
-NOT_SERVING first on shutdown, open streams get ``drain_seconds`` to finish, then the
+The Unix sockets (the gRPC socket's front door, and the access channel beside it) are
+created under a restrictive umask, so they are never more open than 0600 (0660 once
+handed to ``--socket-group``), in a directory no other user controls (else the daemon
+refuses to start: exit 2); gRPC itself listens behind the door, in a 0700 directory
+(:mod:`spanwarm.daemon.front_door`). ``--listen`` is a second gRPC server on loopback
+TCP with the health service only: TCP cannot say who is calling. The gRPC health service
+goes NOT_SERVING first on shutdown, open streams get ``drain_seconds`` to finish, then the
 server stops (1 s grace) and the node closes without waiting for warm operations still
 running: a read hung in the storage cannot hold the exit, which comes within
 ``drain_seconds`` + 2 s with status 0.
@@ -32,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from spanwarm.daemon.access import AccessServer
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.front_door import GRPC_OPTIONS, FrontDoor, prepare_inner_directory
 from spanwarm.daemon.grants import Grants
 from spanwarm.daemon.heap import configure_heap
 from spanwarm.daemon.node import Node
@@ -126,7 +128,7 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         ("grpc.max_send_message_length", MAX_MESSAGE),
         *_KEEPALIVE_OPTIONS,
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=[*options, *GRPC_OPTIONS])
     service = WarmerService(node, config, grants)
     server.add_generic_rpc_handlers([service.handler()])
     health_service = health.aio.HealthServicer()
@@ -141,13 +143,19 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         if not probes.add_insecure_port(config.listen):
             raise StartupError(f"cannot listen on {config.listen}")
 
+    try:
+        inner = prepare_inner_directory(config.socket)
+    except OSError as exc:
+        raise StartupError(f"cannot make the inner socket's directory: {exc}") from None
     previous = os.umask(0o177)  # the socket is born 0600: no window between bind and chmod
     try:
-        if not server.add_insecure_port(f"unix:{config.socket}"):
-            raise StartupError(f"cannot bind {config.socket}")
+        if not server.add_insecure_port(f"unix:{inner}"):
+            raise StartupError(f"cannot bind {inner}")
         await server.start()
     finally:
         os.umask(previous)
+    door = FrontDoor(config.socket, inner, trusted=node.trusted_uids, refused=node.refused)
+    door.start()
     access.start()
     if probes is not None:
         await probes.start()
@@ -197,6 +205,7 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
     await asyncio.gather(
         server.stop(grace=1.0), *(() if probes is None else (probes.stop(grace=1.0),))
     )
+    door.close()
     expiry.cancel()
     grants.close()
     await node.close()

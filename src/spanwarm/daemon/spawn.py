@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO
 
+from spanwarm.daemon.front_door import inner_socket_path
+
 __all__ = ["ChildDaemon", "spawn_daemon"]
 
 
@@ -99,5 +101,7 @@ def spawn_daemon(
         for name in (notify_path, sock, sock + ".access"):
             if os.path.lexists(name) and name.startswith(directory):
                 os.unlink(name)
-        shutil.rmtree(os.path.join(directory, "state"), ignore_errors=True)
+        # A daemon killed leaves its state and gRPC's inner socket behind.
+        for left in ("state", os.path.dirname(inner_socket_path(sock))):
+            shutil.rmtree(os.path.join(directory, left), ignore_errors=True)
         os.rmdir(directory)

@@ -356,8 +356,8 @@ def test_one_users_idle_connections_do_not_lock_out_another(area: Area) -> None:
 
 
 def test_roots_status_answers_while_a_user_holds_every_connection_it_may(area: Area) -> None:
-    """With 1,024 descriptors, users may hold 32 connections to the gRPC socket, one uid
-    16 (docs/daemon.md): Mallory's 300 get 16, the daemon's descriptors stay bounded,
+    """With 1,024 descriptors, users may hold 24 connections to the gRPC socket, one uid
+    12 (docs/daemon.md): Mallory's 300 get 12, the daemon's descriptors stay bounded,
     root's status answers at once, Alice still warms, and the refusals are counted."""
     with group_daemon(area, open_files=1024) as daemon:
         descriptors = f"/proc/{daemon.process.pid}/fd"
@@ -368,14 +368,14 @@ def test_roots_status_answers_while_a_user_holds_every_connection_it_may(area: A
         try:
             assert hog.stdout is not None
             held = json.loads(hog.stdout.readline())
-            assert held["open"] == 16, held
-            assert len(os.listdir(descriptors)) <= before + 3 * 16 + 8
+            assert held["open"] == 12, held
+            assert len(os.listdir(descriptors)) <= before + 3 * 12 + 8
             began = time.monotonic()
             with Client(daemon.socket) as root:
                 status = root.status()
             assert time.monotonic() - began < 1.0
             refused = {r["cause"]: r["count"] for r in status["refusals"]}
-            assert refused.get("too_many_connections", 0) >= 300 - 16, status
+            assert refused.get("too_many_connections", 0) >= 300 - 12, status
             result = as_user(
                 ALICE, "client_warm", socket=daemon.socket, paths=[str(area.own)], length=4096
             )
@@ -390,13 +390,13 @@ def test_a_connection_that_never_speaks_is_closed_and_counted_no_more(area: Area
     closes the caller's end and frees the uid's place for a connection that speaks."""
     with group_daemon(area, open_files=1024) as daemon:
         mute = as_user(
-            MALLORY, "grpc_hog", socket=daemon.socket, connections=16, speak=False, seconds=11
+            MALLORY, "grpc_hog", socket=daemon.socket, connections=12, speak=False, seconds=11
         )
-        assert mute == {"opened": 16, "open": 0}, mute
+        assert mute == {"opened": 12, "open": 0}, mute
         speaking = as_user(
-            MALLORY, "grpc_hog", socket=daemon.socket, connections=16, speak=True, seconds=0
+            MALLORY, "grpc_hog", socket=daemon.socket, connections=12, speak=True, seconds=0
         )
-        assert speaking["open"] == 16, speaking
+        assert speaking["open"] == 12, speaking
 
 
 def test_a_descriptor_sent_thousands_of_times_is_held_once(area: Area) -> None:

@@ -11,7 +11,7 @@ its ``Warm`` call carries. The protocol is in protos/spanwarm/v1/warmer.proto (G
 
 What a caller cannot make us do: read a file it could not open, follow a path it
 controls, or hold a connection, a thread or a descriptor for long. A grant must arrive
-within ``GRANT_SECONDS``; a uid may have ``_USER_CONNECTIONS`` connections open (its idle
+within ``GRANT_SECONDS``; a uid may have ``user_connections()`` connections open (its idle
 ones cannot lock others out) and ``--user-max-files`` file references in grants and
 requests; descriptors are checked as each datagram arrives (one sent a thousand times is
 held once), in threads of the caller's own uid (a user's hung FUSE mount stalls only
@@ -35,7 +35,12 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 
 from spanwarm.daemon.admission import Adopted, FileTable
-from spanwarm.daemon.descriptors import RESERVE_SHARE, users_files
+from spanwarm.daemon.descriptors import (
+    RESERVE_SHARE,
+    user_connections,
+    users_connections,
+    users_files,
+)
 from spanwarm.daemon.grants import Grants, Peer
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.errors import InvalidRequestError, RequestTooLargeError, SpanwarmError
@@ -49,7 +54,6 @@ SCM_MAX_FD = 253  # the kernel's limit on descriptors in one message
 GRANT_SECONDS = 10.0  # a connection has this long to send its descriptors and be answered
 _DATAGRAM = 64  # a GrantRequest is a few bytes; anything longer is refused as cut short
 _MAX_CONNECTIONS = 1024  # open at once, for everyone; more are closed at once
-_USER_CONNECTIONS = 16  # open at once for one uid (root and the daemon's user: no limit)
 _WARN_EVERY = 10.0  # seconds between two warnings that connections cannot be accepted
 _CHECK_THREADS = 2  # per uid
 _IDLE_POOLS = 32  # users whose check threads are kept while they have no connection
@@ -86,6 +90,10 @@ class AccessServer:
         self.users_max_files = users_files()
         self.user_max_files = min(user_max_files, max(1, self.users_max_files // 2))
         self.trusted = trusted
+        # Open at once for users together, and for one uid (root and the daemon's user:
+        # no limit but _MAX_CONNECTIONS): spanwarm.daemon.descriptors.
+        self.users_max_connections = users_connections()
+        self.user_max_connections = user_connections()
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pools: dict[int, DaemonThreadPool] = {}
@@ -151,7 +159,11 @@ class AccessServer:
                 conn.close()
                 continue
             if len(self._tasks) >= _MAX_CONNECTIONS or (
-                peer.uid not in self.trusted and self._connections[peer.uid] >= _USER_CONNECTIONS
+                peer.uid not in self.trusted
+                and (
+                    self._connections[peer.uid] >= self.user_max_connections
+                    or self._users_connections() >= self.users_max_connections
+                )
             ):
                 conn.close()  # one user's idle connections must not lock the others out
                 continue
@@ -201,6 +213,9 @@ class AccessServer:
             if not self._connections[peer.uid]:
                 del self._connections[peer.uid]
                 self._retire_idle_pools()
+
+    def _users_connections(self) -> int:
+        return sum(n for uid, n in self._connections.items() if uid not in self.trusted)
 
     def _count(self, exc: BaseException) -> None:
         if self.refused is not None:

@@ -1,16 +1,18 @@
 """The daemon's descriptors, shared out so that no user can take what root needs.
 
-Every file a live grant or request names stays open, and every connection to the gRPC
+Every file a live grant or request names stays open, every connection to the gRPC
 socket holds three (the caller's end at the front door, the door's end of the inner
-socket, and gRPC's). A share of RLIMIT_NOFILE, at least ``RESERVE_MIN``, is kept for root
-and the daemon's own user: the liveness probe, root's ``spanwarm status``, their loads,
-the logs and the warm engine's streams. Users share the rest, one eighth for connections
-and the remainder for files, and one uid gets at most half of either.
+socket, and gRPC's), and one to the access channel holds one. A share of RLIMIT_NOFILE,
+at least ``RESERVE_MIN``, is kept for root and the daemon's own user: the liveness probe,
+root's ``spanwarm status``, their loads, the logs and the warm engine's streams. Users
+share the rest, one eighth for connections (as many to the access channel as to gRPC at
+most: four descriptors a pair) and the remainder for files; one uid gets at most half of
+either.
 
-With 1,024 descriptors: 256 kept, 768 for users, 96 of them for 32 connections (16 per
-uid) and 672 for files (336 per uid). With 524,288 (systemd's default hard limit, which
-``spanwarm serve`` raises its soft limit to): 131,072 kept, 16,384 connections (64 per
-uid, ``USER_CONNECTIONS_MAX``), 344,064 files.
+With 1,024 descriptors: 256 kept, 768 for users, 96 of them for 24 connections of each
+kind (12 per uid) and 672 for files (336 per uid). With 524,288 (systemd's default hard
+limit, which ``spanwarm serve`` raises its soft limit to): 131,072 kept, 12,288
+connections of each kind (64 per uid, ``USER_CONNECTIONS_MAX``), 344,064 files.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = [
 RESERVE_SHARE = 0.25
 RESERVE_MIN = 256
 CONNECTIONS_SHARE = 1 / 8  # of what users get
-DESCRIPTORS_PER_CONNECTION = 3
+DESCRIPTORS_PER_CONNECTION = 4  # three for one to gRPC, one for one to the access channel
 # A node's ranks (8 GPUs, a few jobs of one user) need tens of connections; each costs
 # the daemon about 20 KiB in gRPC and the door besides its descriptors.
 USER_CONNECTIONS_MAX = 64
@@ -54,13 +56,14 @@ def _users(limit: int) -> int:
 
 
 def users_connections(limit: int | None = None) -> int:
-    """How many gRPC connections all users together may have open."""
+    """How many connections to gRPC, and to the access channel, all users together may
+    have open."""
     share = int(_users(limit or descriptor_limit()) * CONNECTIONS_SHARE)
     return max(2, share // DESCRIPTORS_PER_CONNECTION)
 
 
 def user_connections(limit: int | None = None) -> int:
-    """How many gRPC connections one uid may have open."""
+    """How many connections to gRPC, and to the access channel, one uid may have open."""
     return max(1, min(USER_CONNECTIONS_MAX, users_connections(limit) // 2))
 
 

@@ -233,6 +233,8 @@ class FrontDoor:
     def _warn(self, uid: int | None, message: str) -> None:
         now = time.monotonic()
         if now - self._warned.get(uid, -_WARN_EVERY) >= _WARN_EVERY:  # a flood, one line
+            if len(self._warned) > 1024:  # one entry per uid that was ever refused
+                self._warned = {u: t for u, t in self._warned.items() if now - t < _WARN_EVERY}
             self._warned[uid] = now
             logger.warning("%s", message)
 
@@ -261,13 +263,12 @@ class FrontDoor:
         inner = _Half(on_lost=lambda: self._halves.discard(inner))
         try:
             await loop.create_unix_connection(lambda: inner, self.inner)
-        except OSError as exc:
-            self._warn(None, f"cannot reach gRPC's socket {self.inner}: {exc}")
+        except BaseException as exc:
             outer.close()
+            if not isinstance(exc, OSError):
+                raise
+            self._warn(None, f"cannot reach gRPC's socket {self.inner}: {exc}")
             return
-        finally:
-            if inner.transport is None:
-                outer.close()
         self._halves.add(inner)
         outer.join(inner)
         inner.join(outer)

@@ -26,7 +26,7 @@ from spanwarm.integrations.vllm.whatif import Layout, deployment_spans
 from spanwarm.residency import PAGE
 from spanwarm.safetensors_header import read_header
 from tests.daemon_harness import running_daemon
-from tests.vllm.tiny_vllm_models import write_dense, write_moe
+from tests.vllm.tiny_vllm_models import write_dense, write_fp8, write_moe
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,7 +39,8 @@ _RANK_LINE = re.compile(r"pid=(\d+)\).*spanwarm: rank (\d+) reads")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {"dense": write_dense(root / "dense"), "moe": write_moe(root / "moe")}
+    dense = write_dense(root / "dense")
+    return {"dense": dense, "moe": write_moe(root / "moe"), "fp8": write_fp8(root / "fp8", dense)}
 
 
 @pytest.fixture
@@ -204,6 +205,33 @@ def test_tp2_dense_requests_exactly_what_each_rank_reads_and_loads_it_warm(
     assert sorted(read_by_ranks) == [0, 1], log[-3000:]
     for rank, pages in read_by_ranks.items():
         assert without_headers(pages, model) == {}, f"rank {rank} read cold: {pages}"
+
+
+def test_fp8_tp2_requests_exactly_what_each_rank_reads(
+    models: dict[str, Path], traced: Any, tmp_path: Path
+) -> None:
+    """An FP8 checkpoint (E4M3 weights, a per-tensor F32 scale each) as the default loader
+    reads it: each rank's slices of the weights, and every scale, from the dry run.
+    vLLM 0.32's CPU build has no FP8 kernels: its post-processing of the loaded weights is
+    skipped, and the server only starts (no generation)."""
+    model = models["fp8"]
+    mounted, trace = traced(model)
+    started, log = serve(
+        mounted,
+        tmp_path / "cold",
+        "--tp",
+        "2",
+        "--no-generate",
+        serial=True,
+        SPANWARM_DISABLE="1",
+        SPANWARM_TEST_NO_POSTPROCESS="1",
+    )
+    assert "start_s" in started, log[-3000:]
+    assert_exact(tmp_path / "cold", trace, log, model, ranks=2)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "cold" / f"rank-{rank}.json").read_text())
+        assert record["exact"], record.get("reason")
+        assert any(t.endswith("weight_scale") for t, *_ in record["spans"])
 
 
 @pytest.mark.parametrize("ep_filter", [False, True], ids=["ep", "ep-filter"])

@@ -48,3 +48,37 @@ def write_moe(directory: Path) -> Path:
     model: Any = Qwen2MoeForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="1MB")
     return directory
+
+
+def write_fp8(directory: Path, dense: Path) -> Path:
+    """``dense`` with its layers' linear weights in FP8 (E4M3) and a per-tensor F32
+    ``weight_scale`` each, as vLLM's ``fp8`` quantization serializes them."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json"):
+        if (dense / name).exists():
+            shutil.copy(dense / name, directory / name)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(sorted(dense.glob("*.safetensors"))):
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in load_file(shard).items():
+            if ".layers." in name and name.endswith("_proj.weight"):
+                scale = tensor.float().abs().amax().clamp(min=1e-6) / 448.0
+                tensors[name] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+                tensors[name.removesuffix("weight") + "weight_scale"] = scale.reshape(())
+            else:
+                tensors[name] = tensor
+        file = f"model-{number:05d}.safetensors"
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return directory

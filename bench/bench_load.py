@@ -1,7 +1,7 @@
 """Load: many rank processes on one daemon, and many short requests in a row.
 
     .venv/bin/python bench/bench_load.py [--ranks 64] [--spans 10000] [--sequential 1000]
-        [--quick] [--markdown PATH]
+        [--quick] [--markdown PATH] [--samples PATH]
 
 A real daemon (``spawn_daemon``, default flags but ``--log-level warning``) on a private
 socket, a fresh one per scenario; shared files of random bytes in a temporary directory
@@ -487,6 +487,8 @@ def summarize_a(
             f"page monitor's longest gap between samples was "
             f"{pages.gap(go, warmed):.2f} s"
         )
+    if args.samples:
+        write_samples(args.samples, poller, go, admitted, warmed)
     idle, idle_err = poller.between(0, go)
     admission, adm_err = poller.between(go, admitted)
     warming, warm_err = poller.between(admitted, warmed)
@@ -546,6 +548,15 @@ def summarize_a(
     for problem in problems:
         log(f"A: PROBLEM: {problem}")
     return rows, not problems
+
+
+def write_samples(
+    path: Path, poller: StatusPoller, go: float, admitted: float, warmed: float
+) -> None:
+    """Every Status call of scenario A, as (start, seconds, ok) with the phases' bounds (the
+    clock is ``time.monotonic()``, system-wide: it lines up with a trace of the daemon)."""
+    record = {"go": go, "admitted": admitted, "warmed": warmed, "samples": poller.samples}
+    path.write_text(json.dumps(record))
 
 
 def _median_max(values: list[float]) -> str:
@@ -695,6 +706,11 @@ def main() -> None:
         "was seen warm",
     )
     parser.add_argument("--markdown", type=Path, help="write the section to this file")
+    parser.add_argument(
+        "--samples",
+        type=Path,
+        help="write scenario A's Status calls (start, seconds, ok) and its phases as JSON",
+    )
     args = parser.parse_args()
     quick = (16, 2000, 200) if args.quick else (64, 10_000, 1000)
     args.ranks = quick[0] if args.ranks is None else args.ranks

@@ -50,9 +50,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import span_pages
 from bench.slowfs import fuse_available, mount
 from spanwarm.daemon.spawn import spawn_daemon
-from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.residency import evict, resident_bytes
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
 TIMING_PLUGIN = Path(__file__).with_name("vllm_timing")
@@ -154,15 +155,10 @@ def did_not_start(log: str) -> str:
 
 def touched_bytes(spans_dir: Path) -> int:
     """Bytes of the pages the node's ranks read (the union of their requests, in pages)."""
-    pages: set[tuple[str, int]] = set()
-    for path in spans_dir.glob("rank-*.json"):
-        for _, file, offset, length, stride, count in json.loads(path.read_text())["spans"]:
-            for row in range(count):
-                start = offset + row * stride
-                pages.update(
-                    (file, p) for p in range(start // PAGE, (start + length - 1) // PAGE + 1)
-                )
-    return len(pages) * PAGE
+    return span_pages.touched_bytes(
+        [tuple(s[1:]) for s in json.loads(path.read_text())["spans"]]
+        for path in spans_dir.glob("rank-*.json")
+    )
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_vllm_load import write_model
 from bench.slowfs import fuse_available, mount
+from bench.span_pages import touched_bytes
 from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.residency import evict, resident_bytes
 from spanwarm.tensor_layout import TensorSpans
@@ -205,17 +206,10 @@ def main() -> None:
 
 
 def _touched(spans: dict[int, list[TensorSpans]]) -> int:
-    from spanwarm.residency import PAGE
-
-    pages: set[tuple[str, int]] = set()
-    for rank_spans in spans.values():
-        for s in rank_spans:
-            for row in range(s.count):
-                start = s.offset + row * s.stride
-                pages.update(
-                    (s.path, p) for p in range(start // PAGE, (start + s.length - 1) // PAGE + 1)
-                )
-    return len(pages) * PAGE
+    return touched_bytes(
+        [(s.path, s.offset, s.length, s.stride, s.count) for s in rank_spans]
+        for rank_spans in spans.values()
+    )
 
 
 def summary(runs: list[dict[str, Any]], touched: int) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from bench.span_pages import pages_by_file
 from spanwarm.integrations.vllm.whatif import Layout, deployment_spans
 from spanwarm.residency import PAGE
 from spanwarm.safetensors_header import read_header
@@ -100,12 +101,7 @@ def requested_pages(spans_dir: Path) -> dict[int, dict[str, set[int]]]:
     for path in sorted(spans_dir.glob("rank-*.json")):
         record = json.loads(path.read_text())
         assert record["exact"], record["reason"]
-        pages = out.setdefault(record["rank"], {})
-        for _, file, offset, length, stride, count in record["spans"]:
-            into = pages.setdefault(os.path.basename(file), set())
-            for row in range(count):
-                start = offset + row * stride
-                into.update(range(start // PAGE, (start + length - 1) // PAGE + 1))
+        out[record["rank"]] = pages_by_file(tuple(s[1:]) for s in record["spans"])
     return out
 
 

@@ -611,6 +611,11 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def disabled_by_environment() -> bool:
+    """``SPANWARM_DISABLE`` set (and not 0): every request is a no-op."""
+    return os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
+
+
 class Client:
     """A connection to the node's daemon (lazily opened; safe to share across threads)."""
 
@@ -635,7 +640,7 @@ class Client:
         and tensors resident when a request goes out are read at once and not asked for
         (False: every tensor goes to the daemon and ``wait_for_read`` waits like ``wait``,
         e.g. to see every tensor warmed by the daemon, or to have ``--hold`` pin it)."""
-        self.disabled = os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
+        self.disabled = disabled_by_environment()
         self._channel: grpc.Channel | None = None
         self._lock = threading.Lock()
         self._status_token = ("", 0.0)  # (token, reuse it until this monotonic time)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from spanwarm.client.client import disabled_by_environment
 from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.vllm.dry_run import DryRun, in_dry_run, loader_dry_run, meta_weights
 
@@ -114,8 +115,8 @@ class _Load:
         try:
             if not _local_safetensors(self.model_config):
                 return
-            if _client_disabled() and not os.environ.get(SPANS_DIR):
-                self._started = True  # SPANWARM_DISABLE: nothing would be asked for
+            if _nothing_to_ask():
+                self._started = True
                 return
             plan = loader_dry_run(self.loader, self.model_config, self.vllm_config)
         except Exception as exc:  # the twin could not be built: on the first tensor
@@ -130,8 +131,8 @@ class _Load:
         if self._started:
             return self.gate
         self._started = True
-        if _client_disabled() and not os.environ.get(SPANS_DIR):
-            return None  # SPANWARM_DISABLE: nothing would be asked for
+        if _nothing_to_ask():
+            return None
         try:
             plan = self._dry_run()
         except Exception as exc:
@@ -176,7 +177,7 @@ class _Load:
             "dry run" if plan.exact else "whole tensors",
             plan.seconds,
         )
-        if not plan.spans or _client_disabled():
+        if not plan.spans or disabled_by_environment():
             return None
         self._client = Client(read_yourself=_read_yourself())
         ticket = self._client.request(plan.spans, job=_job(), rank=_global_rank())
@@ -385,8 +386,9 @@ def _read_yourself() -> bool:
     return os.environ.get(READ_YOURSELF, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _client_disabled() -> bool:
-    return os.environ.get("SPANWARM_DISABLE", "") not in ("", "0")
+def _nothing_to_ask() -> bool:
+    """SPANWARM_DISABLE, and no record of the request to write: no dry run is needed."""
+    return disabled_by_environment() and not os.environ.get(SPANS_DIR)
 
 
 def _say_once(line: str) -> None:

@@ -299,6 +299,27 @@ def grpc_hog(args: dict[str, Any]) -> dict[str, Any]:
 
 
 @action
+def grant_each(args: dict[str, Any]) -> dict[str, Any]:
+    """Grant each of ``paths`` alone, ``pause`` seconds apart, through the raw access
+    protocol, keeping every descriptor open (closing one on a mount whose server never
+    answers would hang here): each reply's code and reason."""
+    replies = []
+    for number, path in enumerate(args["paths"]):
+        if number:
+            time.sleep(args["pause"])
+        fd = os.open(path, os.O_RDONLY)
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(30)
+            conn.connect(access_socket_path(args["socket"]))
+            request = warmer_pb2.GrantRequest(descriptors=1, last=True).SerializeToString()
+            conn.sendmsg([request], rights)
+            reply = warmer_pb2.GrantReply.FromString(conn.recv(4096))
+        replies.append({"code": reply.code or "OK", "details": reply.reason})
+    return {"replies": replies}
+
+
+@action
 def fd_flood(args: dict[str, Any]) -> dict[str, Any]:
     """Send one descriptor of ``path`` 253 times per datagram, ``datagrams`` times, then
     end the grant: the reply's code."""

@@ -757,3 +757,47 @@ def test_one_users_hung_file_system_holds_up_only_its_own_closes(area: Area) -> 
                 mounts.close()
     for process in mallory:
         process.wait(timeout=60)
+
+
+def test_closes_a_users_file_system_never_answers_count_against_that_user(area: Area) -> None:
+    """Mallory's FUSE server never answers a close. Each grant of hers that lapses leaves
+    its file closing in her file system's lane, charged to her: with --user-max-files 3,
+    her fourth grant is refused, naming the closes, and the daemon's descriptors stay
+    bounded; Alice still warms."""
+    if why := fuse_available():
+        pytest.skip(f"needs the emulated mount: {why}")
+    source = area.root / "closing-src"
+    source.mkdir(mode=0o755, exist_ok=True)
+    names = [f"closing-{i}.bin" for i in range(5)]
+    for name in names:
+        _write(source / name, 4096, 0o644)
+    inside = area.allowed / "closing-in"
+    mallory = None
+    with contextlib.ExitStack() as mounts:
+        mounts.enter_context(mount(source, inside, allow_other=True, hang_flush=names))
+        with group_daemon(area, "--user-max-files", "3", "--grant-seconds", "1") as daemon:
+            try:
+                baseline = len(os.listdir(f"/proc/{daemon.process.pid}/fd"))
+                mallory = start_as_user(
+                    MALLORY,
+                    "grant_each",
+                    socket=daemon.socket,
+                    paths=[str(inside / name) for name in names],
+                    pause=2.5,  # each grant lapses (1 s, checked every second) before the next
+                )
+                assert mallory.stdout is not None
+                replies = json.loads(mallory.stdout.readline())["replies"]
+                assert [r["code"] for r in replies[:3]] == ["OK"] * 3, replies
+                assert replies[3]["code"] == "RESOURCE_EXHAUSTED", replies
+                assert "3 of its files are still closing" in replies[3]["details"], replies
+                assert len(os.listdir(f"/proc/{daemon.process.pid}/fd")) <= baseline + 4
+                alice = as_user(
+                    ALICE, "client_warm", socket=daemon.socket, paths=[str(area.own)], length=4096
+                )
+                assert alice["ready"] == 1, alice
+            finally:
+                if mallory is not None:
+                    mallory.kill()
+                mounts.close()
+    if mallory is not None:
+        mallory.wait(timeout=60)

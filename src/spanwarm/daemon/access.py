@@ -35,6 +35,7 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 
 from spanwarm.daemon.admission import Adopted, FileTable
+from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.descriptors import (
     RESERVE_SHARE,
     user_connections,
@@ -76,12 +77,14 @@ class AccessServer:
         trusted: frozenset[int],
         stream_rate: Callable[[int], float] | None = None,
         refused: Callable[[BaseException], object] | None = None,
+        closer: Closer | None = None,
     ) -> None:
         self.path = path
         self.refused = refused  # counts a refused grant by its cause
         self.stream_rate = stream_rate  # st_dev -> learned bytes/s of one stream (0: unknown)
         self.files = files
         self.grants = grants
+        self.closer = closer  # descriptors still closing count against their uid
         self.max_files = max_files
         # Descriptors are the daemon's scarcest resource: every file of a live grant or
         # request stays open. Users' files share what the limit leaves after the reserve
@@ -273,15 +276,24 @@ class AccessServer:
                     raise RequestTooLargeError(
                         f"more than {self.max_files} descriptors in one grant (--max-files)"
                     )
-                held = self.grants.references(peer.uid) + self._receiving[peer.uid]
+                closing = 0 if self.closer is None else self.closer.pending(peer.uid)
+                held = self.grants.references(peer.uid) + self._receiving[peer.uid] + closing
                 if peer.uid not in self.trusted and held + len(got) > self.user_max_files:
                     raise RequestTooLargeError(
                         f"uid {peer.uid} would hold more than {self.user_max_files} files "
                         "in grants and requests (--user-max-files, at most half of the "
                         "descriptors the daemon leaves to users)"
+                        + (
+                            f"; {closing} of its files are still closing, their file "
+                            "system not answering"
+                            if closing
+                            else ""
+                        )
                     )
-                users = self.grants.references_except(self.trusted) + sum(
-                    n for uid, n in self._receiving.items() if uid not in self.trusted
+                users = (
+                    self.grants.references_except(self.trusted)
+                    + sum(n for uid, n in self._receiving.items() if uid not in self.trusted)
+                    + (0 if self.closer is None else self.closer.pending_except(self.trusted))
                 )
                 if peer.uid not in self.trusted and users + len(got) > self.users_max_files:
                     raise RequestTooLargeError(
@@ -292,7 +304,7 @@ class AccessServer:
                     )
             except BaseException:
                 for fd in got:
-                    self.files.close_fd(fd, ("uid", peer.uid))
+                    self.files.close_fd(fd, peer.uid)
                 raise
             self._receiving[peer.uid] += len(got)  # until the connection ends (_serve)
             received[0] += len(got)
@@ -317,7 +329,7 @@ class AccessServer:
         except asyncio.CancelledError:
             if job.cancel():  # never started: the descriptors are still ours to close
                 for fd in fds:
-                    self.files.close_fd(fd, ("uid", peer.uid))
+                    self.files.close_fd(fd, peer.uid)
             else:
                 job.add_done_callback(self._give_back)
             raise
@@ -331,12 +343,10 @@ class AccessServer:
         files: list[Adopted] = []
         for position, fd in enumerate(fds):
             try:
-                files.append(
-                    self.files.adopt(fd, f"descriptor {first + position}", who=f"uid {uid}")
-                )
+                files.append(self.files.adopt(fd, f"descriptor {first + position}", uid=uid))
             except BaseException:
                 for rest in fds[position + 1 :]:
-                    self.files.close_fd(rest, ("uid", uid))
+                    self.files.close_fd(rest, uid)
                 for file, _ in files:
                     self.files.release(file)
                 raise

@@ -117,6 +117,9 @@ class OpenFile:
         self.failed = False  # changed under us: its requests failed, it is not planned again
         # Where the file may be (the allowed roots; None: anywhere): checked as it is warmed.
         self.allowed: Callable[[str], bool] | None = None
+        # The uid that handed it over first: its close, if the file system never answers
+        # it, counts against that uid (daemon/closer.py). None: the daemon's own.
+        self.owner: int | None = None
 
     @classmethod
     def copy_of(cls, file: OpenFile, fd: int) -> OpenFile:
@@ -125,7 +128,7 @@ class OpenFile:
         copy = cls.__new__(cls)
         copy.path, copy.fd, copy.identity = file.path, fd, file.identity
         copy.trusted, copy.refs, copy.failed = file.trusted, 0, False
-        copy.allowed = file.allowed
+        copy.allowed, copy.owner = file.allowed, file.owner
         return copy
 
     def check_in_place(self, fd: int | None = None) -> None:
@@ -250,7 +253,7 @@ class FileTable:
         self,
         allow: tuple[str, ...],
         *,
-        close: Callable[[int, Hashable], object] = lambda fd, lane: os.close(fd),
+        close: Callable[[int, Hashable, int | None], object] = lambda fd, lane, uid: os.close(fd),
     ) -> None:
         self._roots = tuple(os.path.realpath(root) for root in allow)
         # The operator hears of grants refused because a job sees its checkpoint at
@@ -270,13 +273,14 @@ class FileTable:
             name == root or name.startswith(root.rstrip("/") + "/") for root in self._roots
         )
 
-    def adopt(self, fd: int, label: str, *, who: str = "the daemon's user") -> Adopted:
+    def adopt(self, fd: int, label: str, *, uid: int | None = None) -> Adopted:
         """Take ownership of ``fd``, a descriptor a caller opened itself (its proof that it
         may read the file), and share it by identity; return the file and the kernel's
         name for this caller's descriptor (what this caller is shown: a shared file's
         ``path`` is whoever opened it first). ``label`` names it in refusals (the caller's
-        own name for it), ``who`` the caller in the operator's log. On any refusal ``fd``
-        is closed."""
+        own name for it), ``uid`` the caller (None: the daemon's own user). On any
+        refusal ``fd`` is closed."""
+        who = "the daemon's user" if uid is None else f"uid {uid}"
         try:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             if flags & _O_PATH or (flags & os.O_ACCMODE) not in (os.O_RDONLY, os.O_RDWR):
@@ -315,7 +319,7 @@ class FileTable:
         except BaseException:
             _close_here(fd)
             raise
-        return self._share(fd, name, FileIdentity.of(st)), name
+        return self._share(fd, name, FileIdentity.of(st), uid), name
 
     def acquire(self, path: str) -> Adopted:
         """Open ``path`` with the daemon's own credentials: only for a caller that is the
@@ -343,12 +347,12 @@ class FileTable:
             raise lookup_error(path, exc) from None
         return self.adopt(fd, path)
 
-    def close_fd(self, fd: int, lane: Hashable) -> None:
-        """Close a descriptor we will not keep, the way files are closed (see __init__),
-        in ``lane`` (the uid that sent it: ``("uid", uid)``)."""
-        self._close(fd, lane)
+    def close_fd(self, fd: int, uid: int) -> None:
+        """Close a descriptor ``uid`` sent that we will not keep, the way files are closed
+        (see __init__), in that uid's own lane."""
+        self._close(fd, ("uid", uid), uid)
 
-    def _share(self, fd: int, name: str, identity: FileIdentity) -> OpenFile:
+    def _share(self, fd: int, name: str, identity: FileIdentity, uid: int | None) -> OpenFile:
         with self._lock:
             shared = self._files.get(identity)
             if shared is not None:
@@ -356,6 +360,7 @@ class FileTable:
             else:
                 file = OpenFile(name, fd, identity)
                 file.allowed = self._allowed if self._roots else None
+                file.owner = uid
                 file.refs = 1
                 self._files[identity] = file
                 return file
@@ -368,7 +373,7 @@ class FileTable:
             if file.refs == 0:
                 if self._files.get(file.identity) is file:
                     del self._files[file.identity]
-                self._close(file.fd, ("dev", file.identity.device))
+                self._close(file.fd, ("dev", file.identity.device), file.owner)
 
     def forget(self, file: OpenFile) -> None:
         """Stop handing ``file`` out (it changed under us): a later request for the same
@@ -380,7 +385,7 @@ class FileTable:
     def close_all(self) -> None:
         with self._lock:
             for file in self._files.values():
-                self._close(file.fd, ("dev", file.identity.device))
+                self._close(file.fd, ("dev", file.identity.device), file.owner)
             self._files.clear()
 
     def __len__(self) -> int:

@@ -122,6 +122,7 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
         trusted=node.trusted_uids,
         stream_rate=node.throughput.bytes_per_s,
         refused=node.refused,
+        closer=node.closer,
     )
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE),

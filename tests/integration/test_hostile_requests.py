@@ -899,3 +899,48 @@ def test_random_and_boundary_requests_end_with_documented_codes(tmp_path: Path) 
     assert "INTERNAL" not in seen
     assert seen.get("OK", 0) >= 10, seen  # some examples were accepted and planned
     assert len(seen) >= 6, seen  # and the others reached several kinds of refusal
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("channel", ["grpc", "access"])
+def test_a_daemon_out_of_descriptors_does_not_spin_on_its_listener(channel: str) -> None:
+    """Connections the daemon cannot accept (EMFILE) stay queued, and the listener stays
+    readable: the daemon stops accepting for a second at a time instead of spinning, and
+    serves again once they go."""
+    with running_daemon(open_files=128) as daemon:
+        path = daemon.socket if channel == "grpc" else daemon.socket + ".access"
+        kind = socketlib.SOCK_STREAM if channel == "grpc" else socketlib.SOCK_SEQPACKET
+        held = []
+        try:
+            for _ in range(400):  # more than its descriptors: the last ones wait queued
+                conn = socketlib.socket(socketlib.AF_UNIX, kind)
+                conn.setblocking(False)
+                try:
+                    conn.connect(path)
+                except (BlockingIOError, OSError):
+                    conn.close()
+                    break
+                held.append(conn)
+            time.sleep(0.5)
+            before = _cpu_seconds(daemon.process.pid)
+            time.sleep(2.0)
+            spent = _cpu_seconds(daemon.process.pid) - before
+            assert spent < 0.5, f"the daemon used {spent:.2f} s of CPU in 2 s, idle"
+        finally:
+            for conn in held:
+                conn.close()
+        deadline = time.monotonic() + 10
+        while True:  # its descriptors back, it answers again
+            try:
+                with grpc.insecure_channel(f"unix:{daemon.socket}") as channel_:
+                    warmer_pb2_grpc.WarmerStub(channel_).Status(
+                        warmer_pb2.StatusRequest(), timeout=2
+                    )
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
+from spanwarm.daemon.accepting import pause_accepting
 from spanwarm.daemon.admission import Adopted, FileTable
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.descriptors import (
@@ -151,6 +152,7 @@ class AccessServer:
                 if now - self._warned > _WARN_EVERY:  # a flood must not flood the log too
                     self._warned = now
                     logger.warning("access channel: cannot accept: %s", exc)
+                pause_accepting(self._listener, self._accept, lambda: self._listener is not None)
                 return
             try:
                 peer = Peer(

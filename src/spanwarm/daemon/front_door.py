@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
+from spanwarm.daemon.accepting import pause_accepting
 from spanwarm.daemon.descriptors import user_connections, users_connections
 from spanwarm.errors import TooManyConnectionsError
 
@@ -194,6 +195,7 @@ class FrontDoor:
                 return
             except OSError as exc:  # EMFILE and the like: the caller's channel retries
                 self._warn(None, f"cannot accept a connection: {exc}")
+                pause_accepting(self._listener, self._accept, lambda: self._listener is not None)
                 return
             try:
                 _, uid, _ = _UCRED.unpack(

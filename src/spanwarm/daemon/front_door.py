@@ -163,18 +163,15 @@ class FrontDoor:
         self._listener = listener
         asyncio.get_running_loop().add_reader(listener.fileno(), self._accept)
 
-    def stop_accepting(self) -> None:
-        """Close the door (remove the socket); joined connections go on."""
+    def close(self) -> None:
+        """Stop accepting (the socket goes), drop every joined connection, remove the
+        inner directory."""
         if self._listener is not None:
             asyncio.get_running_loop().remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-
-    def close(self) -> None:
-        """Stop accepting, drop every joined connection, remove the inner directory."""
-        self.stop_accepting()
         for task in self._joining:
             task.cancel()
         for half in list(self._halves):

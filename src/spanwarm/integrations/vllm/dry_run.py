@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.spanwarm")
+
+_HEADER_THREADS = 16  # header reads at once (each a round trip on network storage)
 
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -128,8 +131,12 @@ def meta_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """vLLM's lazy safetensors iterator, with meta tensors from the headers for its views."""
     assert _state.handed_out is not None
-    for path in sorted(files, key=sort_key):
-        header = read_header(path)
+    ordered = sorted(files, key=sort_key)
+    # All headers at once: on network storage each read is a round trip (a seek), and
+    # the dry run's time is the load's, ahead of the model's build.
+    with ThreadPoolExecutor(max(1, min(_HEADER_THREADS, len(ordered)))) as pool:
+        headers = list(pool.map(read_header, ordered))
+    for path, header in zip(ordered, headers, strict=True):
         position = {t.name: i for i, t in enumerate(header.tensors)}
         # safe_open(...).keys(), vLLM's order, is the names sorted (by UTF-8 bytes, which
         # is code point order): taken from the one parse, not a second read of the header.

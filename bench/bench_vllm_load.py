@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import span_pages
 from bench.slowfs import fuse_available, mount
 from spanwarm.daemon.spawn import spawn_daemon
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.residency import evict, file_residency
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
 TIMING_PLUGIN = Path(__file__).with_name("vllm_timing")
@@ -122,13 +122,7 @@ def run(arm: str, fs: Any, model: Path, socket: str, work: Path) -> dict[str, An
         if arm in LOAD_FORMATS:  # a peer that does not run here: the table says why
             return {"arm": arm, "error": did_not_start(log)}
         raise RuntimeError(f"{arm} failed:\n{log[-4000:]}")
-    cached = 0
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            cached += resident_bytes(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+    cached = sum(file_residency(path)[0] for path in files)
     out = json.loads(result[-1])
     record = {
         "arm": arm,

@@ -46,7 +46,7 @@ from bench.bench_vllm_load import write_model
 from bench.slowfs import fuse_available, mount
 from bench.span_pages import touched_bytes
 from spanwarm.daemon.spawn import spawn_daemon
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.residency import evict, file_residency
 from spanwarm.tensor_layout import TensorSpans
 
 ARMS = ("default", "prefetch", "spanwarm")
@@ -155,13 +155,7 @@ def run(
                 for rank, rank_spans in spans.items()
             ],
         )
-    cached = 0
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            cached += resident_bytes(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+    cached = sum(file_residency(path)[0] for path in files)
     return {
         "arm": arm,
         "wall_s": max(walls),

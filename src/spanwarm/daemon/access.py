@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
-from spanwarm.daemon.accepting import pause_accepting
+from spanwarm.daemon.accepting import listen_privately, pause_accepting
 from spanwarm.daemon.admission import Adopted, FileTable
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.descriptors import (
@@ -76,9 +76,9 @@ class AccessServer:
         max_files: int,
         user_max_files: int,
         trusted: frozenset[int],
+        closer: Closer,
         stream_rate: Callable[[int], float] | None = None,
         refused: Callable[[BaseException], object] | None = None,
-        closer: Closer | None = None,
     ) -> None:
         self.path = path
         self.refused = refused  # counts a refused grant by its cause
@@ -108,20 +108,7 @@ class AccessServer:
     def start(self) -> None:
         """Bind (mode 0600 from the first instant: the caller sets it for the group
         later, as for the gRPC socket) and start accepting."""
-        listener = socket.socket(
-            socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-        )
-        previous = os.umask(0o177)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)  # stale, from a daemon that died (the caller checked)
-            listener.bind(self.path)
-        except BaseException:
-            listener.close()
-            raise
-        finally:
-            os.umask(previous)
-        listener.listen(128)
+        listener = listen_privately(self.path, socket.SOCK_SEQPACKET, 128)
         self._listener = listener
         asyncio.get_running_loop().add_reader(listener.fileno(), self._accept)
 
@@ -278,7 +265,7 @@ class AccessServer:
                     raise RequestTooLargeError(
                         f"more than {self.max_files} descriptors in one grant (--max-files)"
                     )
-                closing = 0 if self.closer is None else self.closer.pending(peer.uid)
+                closing = self.closer.pending(peer.uid)
                 held = self.grants.references(peer.uid) + self._receiving[peer.uid] + closing
                 if peer.uid not in self.trusted and held + len(got) > self.user_max_files:
                     raise RequestTooLargeError(
@@ -295,7 +282,7 @@ class AccessServer:
                 users = (
                     self.grants.references_except(self.trusted)
                     + sum(n for uid, n in self._receiving.items() if uid not in self.trusted)
-                    + (0 if self.closer is None else self.closer.pending_except(self.trusted))
+                    + self.closer.pending_except(self.trusted)
                 )
                 if peer.uid not in self.trusted and users + len(got) > self.users_max_files:
                     raise RequestTooLargeError(

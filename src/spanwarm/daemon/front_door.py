@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from spanwarm.daemon.accepting import pause_accepting
+from spanwarm.daemon.accepting import listen_privately, pause_accepting
 from spanwarm.daemon.descriptors import user_connections, users_connections
 from spanwarm.errors import TooManyConnectionsError
 
@@ -146,20 +146,9 @@ class FrontDoor:
         self._warned: dict[int | None, float] = {}
 
     def start(self) -> None:
-        """Bind (mode 0600 from the first instant, like the gRPC socket was: the caller
-        opens it to the group later) and start accepting."""
-        listener = socket.socket(
-            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-        )
-        previous = os.umask(0o177)
-        try:
-            listener.bind(self.path)
-        except BaseException:
-            listener.close()
-            raise
-        finally:
-            os.umask(previous)
-        listener.listen(socket.SOMAXCONN)
+        """Bind (mode 0600 from the first instant: the caller opens it to the group
+        later) and start accepting."""
+        listener = listen_privately(self.path, socket.SOCK_STREAM, socket.SOMAXCONN)
         self._listener = listener
         asyncio.get_running_loop().add_reader(listener.fileno(), self._accept)
 

@@ -40,6 +40,7 @@ def test_unit_declares_what_operators_rely_on() -> None:
     assert entries["CapabilityBoundingSet"] == [""]
     assert entries["ProtectSystem"] == ["strict"]
     assert entries["EnvironmentFile"] == ["-/etc/spanwarm/spanwarm.env"]
+    assert entries["Nice"] == ["-5"]  # Status before the ranks' start-up on a busy node
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:

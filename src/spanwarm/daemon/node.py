@@ -57,11 +57,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan, plan_file
+from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan
 from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.file_plans import FileToPlan, plan_files
+from spanwarm.daemon.helpers import HelperPool
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.refusals import Refusals
 from spanwarm.daemon.request import (
@@ -87,7 +89,7 @@ from spanwarm.daemon.warm_engine import (
 from spanwarm.errors import FileChangedError
 from spanwarm.memory_map import map_range, populate, unmap
 from spanwarm.residency import PAGE, resident_bytes
-from spanwarm.spans import Intervals, SpanTable, run_offsets
+from spanwarm.spans import Intervals, SpanTable
 
 __all__ = ["Node"]
 
@@ -157,20 +159,8 @@ def _cell_of(file: OpenFile, cell: int) -> CellKey:
     return file, cell
 
 
-def _plan_files(
-    jobs: list[tuple[OpenFile, list[SpanTable], int]], chunk: int
-) -> list[tuple[OpenFile, FilePlan, CellQueue]]:
-    """Runs in the planning worker: each file's plan over its users' spans at its mount's
-    seek cost, and every cell the plan reads (the background queue; cells some request
-    waits on are skipped when they come up)."""
-    out = []
-    for file, tables, seek_cost in jobs:
-        plan = plan_file(file.path, file.size, SpanTable.concat(tables), seek_cost)
-        first, last = plan.runs.starts // chunk, (plan.runs.stops - 1) // chunk
-        counts = last - first + 1
-        cells = np.unique(np.repeat(first, counts) + run_offsets(counts))
-        out.append((file, plan, CellQueue(cells, functools.partial(_cell_of, file))))
-    return out
+def _to_plan(jobs: list[tuple[OpenFile, list[SpanTable], int]]) -> list[FileToPlan]:
+    return [(f.path, f.size, SpanTable.concat(tables), cost) for f, tables, cost in jobs]
 
 
 def _clip(runs: Iterable[Range], lo: int, hi: int) -> list[Range]:
@@ -287,6 +277,9 @@ class Node:
         # answering Status and streaming readiness come before admitting more work.
         self.admission_pool = DaemonThreadPool(2, "spanwarm-admit", nice=10)
         self._plan_pool = DaemonThreadPool(1, "spanwarm-plan", nice=10)
+        # Large requests are decoded, checked, indexed and planned in these (the threads
+        # above only wait for them): under the GIL, that work held up Status for seconds.
+        self.helpers = HelperPool(2)
         self._planner: asyncio.Task[None] | None = None
         self._plan_wake = asyncio.Event()
         self._dirty: set[OpenFile] = set()
@@ -485,6 +478,7 @@ class Node:
         )
         for pool in (self._pool, self.admission_pool, self._plan_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        self.helpers.close()
         for request in list(self._requests):
             self.release(request)
         for mappings in self._mappings.values():
@@ -613,12 +607,14 @@ class Node:
             ]
             rows = sum(int(t.count.sum()) for _, tables, _ in jobs for t in tables)
             try:
-                if rows <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
-                    planned = _plan_files(jobs, self.chunk)
-                else:
-                    planned = await loop.run_in_executor(
-                        self._plan_pool, _plan_files, jobs, self.chunk
-                    )
+                if rows <= _PLAN_INLINE:  # well under a millisecond: no hand-off
+                    plans = plan_files(_to_plan(jobs), self.chunk)
+                else:  # a thread waits for a helper process (and holds no GIL meanwhile)
+                    plans = await loop.run_in_executor(self._plan_pool, self._plan_in_helper, jobs)
+                planned = [
+                    (file, plan, CellQueue(cells, functools.partial(_cell_of, file)))
+                    for (file, _, _), (plan, cells) in zip(jobs, plans, strict=True)
+                ]
             except Exception as exc:  # a bug: refuse the requests that waited, keep serving
                 logger.exception("planning failed")
                 for waiter in waiters:
@@ -634,6 +630,11 @@ class Node:
                 if not waiter.done():
                     waiter.set_result(None)
             self._wake.set()
+
+    def _plan_in_helper(
+        self, jobs: list[tuple[OpenFile, list[SpanTable], int]]
+    ) -> list[tuple[FilePlan, npt.NDArray[np.int64]]]:
+        return self.helpers.call(plan_files, _to_plan(jobs), self.chunk)
 
     def plan_of(self, request: Request) -> list[tuple[FilePlan, float]]:
         """The node plan for the request's files, each named as its caller knows it, with

@@ -21,7 +21,18 @@ import numpy.typing as npt
 from spanwarm.daemon.admission import AdmittedRequest, OpenFile
 from spanwarm.spans import SpanTable, run_offsets
 
-__all__ = ["FAILED", "PENDING", "READY", "CellKey", "CellQueue", "Event", "Range", "Request"]
+__all__ = [
+    "FAILED",
+    "PENDING",
+    "READY",
+    "CellIndex",
+    "CellKey",
+    "CellQueue",
+    "Event",
+    "Range",
+    "Request",
+    "index_cells",
+]
 
 CellKey = tuple[OpenFile, int]
 Range = tuple[int, int]
@@ -81,6 +92,91 @@ def _touches(
     return out
 
 
+@dataclass
+class CellIndex:
+    """A request's spans indexed by the cells they touch: per cell (a *row*, sorted by file
+    and cell) the hull of its bytes there and the groups waiting for it (CSR), and per
+    group its rows (inverse CSR). Plain arrays: built in a helper process for a large
+    request."""
+
+    group_bytes: npt.NDArray[np.int64]  # bytes each group names
+    rows: int  # strided rows in all (what planning expands: --user-max-rows)
+    hull_lo: npt.NDArray[np.int64]
+    hull_hi: npt.NDArray[np.int64]
+    group_flat: npt.NDArray[np.int32]  # each row's groups, row after row
+    group_ptr: npt.NDArray[np.int64]  # row r's groups: group_flat[group_ptr[r]:group_ptr[r + 1]]
+    remaining: npt.NDArray[np.int64]  # rows each group waits for
+    unread: npt.NDArray[np.int64]  # groups each row waits to see consumed
+    rows_by_group: npt.NDArray[np.int64]
+    rows_ptr: npt.NDArray[np.int64]  # group g's rows: rows_by_group[rows_ptr[g]:rows_ptr[g + 1]]
+    row_cell: npt.NDArray[np.int64]
+    file_rows: list[int]  # file i's rows: file_rows[i]:file_rows[i + 1]
+    queue_order: npt.NDArray[np.int64]  # rows in the order of their first groups
+
+
+def index_cells(
+    tables: list[SpanTable],
+    span_groups: list[npt.NDArray[np.int64]],
+    sizes: list[int],
+    groups: int,
+    chunk: int,
+) -> CellIndex:
+    """Index the spans of a request's distinct files (``tables[i]`` in a file of
+    ``sizes[i]`` bytes, each span's group in ``span_groups[i]``) by ``chunk``-byte cell."""
+    group_bytes = np.zeros(groups, dtype=np.int64)
+    rows = 0
+    parts = []
+    for i, (table, group_of) in enumerate(zip(tables, span_groups, strict=True)):
+        np.add.at(group_bytes, group_of, table.length * table.count)
+        rows += int(table.count[table.count > 1].sum())
+        parts.extend(_touches(table, group_of, sizes[i], chunk, i))
+    file_id, cell, lo, hi, group = (
+        np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64) for i in range(5)
+    )
+    order = np.lexsort((group, cell, file_id))
+    file_id, cell, lo, hi, group = (a[order] for a in (file_id, cell, lo, hi, group))
+    new_row = np.ones(len(cell), dtype=bool)
+    new_row[1:] = (cell[1:] != cell[:-1]) | (file_id[1:] != file_id[:-1])
+    heads = np.flatnonzero(new_row)
+    if len(heads):
+        hull_lo = np.minimum.reduceat(lo, heads)
+        hull_hi = np.maximum.reduceat(hi, heads)
+        # A row comes when its first group does: groups are numbered in the order the
+        # rank reads them (the wire contract), across all its files. (Not a span's index
+        # in its own file, which put every file's first cell before any second one.)
+        first_group = group[heads]  # each row's groups are sorted
+    else:
+        hull_lo = hull_hi = first_group = np.zeros(0, np.int64)
+    distinct = new_row.copy()
+    distinct[1:] |= group[1:] != group[:-1]
+    row_of_pair = np.cumsum(new_row) - 1
+    group_flat = group[distinct].astype(np.int32)
+    group_ptr = np.searchsorted(row_of_pair[distinct], np.arange(len(heads) + 1))
+    remaining = np.zeros(groups, dtype=np.int64)
+    np.add.at(remaining, group_flat, 1)
+    # Consumption: groups left unread per row, and each group's rows (inverse CSR).
+    per_row = np.diff(group_ptr)
+    row_of_entry = np.repeat(np.arange(len(per_row)), per_row)
+    by_group = np.argsort(group_flat, kind="stable")
+    return CellIndex(
+        group_bytes=group_bytes,
+        rows=rows,
+        hull_lo=hull_lo,
+        hull_hi=hull_hi,
+        group_flat=group_flat,
+        group_ptr=group_ptr,
+        remaining=remaining,
+        unread=per_row.astype(np.int64),
+        rows_by_group=row_of_entry[by_group],
+        rows_ptr=np.searchsorted(group_flat[by_group], np.arange(groups + 1)),
+        row_cell=cell[heads],
+        file_rows=np.searchsorted(file_id[heads], np.arange(len(tables) + 1)).tolist(),
+        # Rows in the order of their first groups (a group's rows in file order); rows no
+        # longer pending are passed over.
+        queue_order=np.argsort(first_group, kind="stable"),
+    )
+
+
 class Request:
     """A rank's live interest: its spans, what each group waits for, its event queue.
 
@@ -93,7 +189,13 @@ class Request:
     def name_of(self, file: OpenFile) -> str:
         return self.names.get(file, file.path)
 
-    def __init__(self, admitted: AdmittedRequest, chunk: int) -> None:
+    def __init__(
+        self,
+        admitted: AdmittedRequest,
+        chunk: int,
+        index: Callable[..., CellIndex] = index_cells,
+    ) -> None:
+        """``index``: ``index_cells``, or what runs it elsewhere (a helper process)."""
         self.id = next(self._ids)
         self.uid = os.geteuid()  # who asked (the service sets it from the caller's grant)
         self.token = ""  # the grant token its Warm call spent ("" when opened by name)
@@ -114,61 +216,33 @@ class Request:
         for file, name in zip(admitted.files, admitted.names, strict=True):
             self.names.setdefault(file, name)
         self.state = np.zeros(len(self.groups), dtype=np.int8)
-        self.remaining = np.zeros(len(self.groups), dtype=np.int64)
-        self.group_bytes = np.zeros(len(self.groups), dtype=np.int64)
         self.finished = False
-        self.rows = 0  # of its strided spans: what planning expands (--user-max-rows)
-        unique: dict[OpenFile, int] = {}
-        parts = []
-        for position, file in enumerate(admitted.files):
-            table = admitted.spans[position]
-            groups = admitted.span_groups[position]
+        for file, table, groups in zip(
+            admitted.files,
+            (admitted.spans[i] for i in range(len(admitted.files))),
+            (admitted.span_groups[i] for i in range(len(admitted.files))),
+            strict=True,
+        ):
             if file in self.files:  # one file under two names
                 self.files[file] = SpanTable.concat([self.files[file], table])
                 self.file_groups[file] = np.concatenate([self.file_groups[file], groups])
             else:
                 self.files[file], self.file_groups[file] = table, groups
-            np.add.at(self.group_bytes, groups, table.length * table.count)
-            self.rows += int(table.count[table.count > 1].sum())
-            index = unique.setdefault(file, len(unique))
-            parts.extend(_touches(table, groups, file.size, chunk, index))
-        self._index(parts, list(unique))
-
-    def _index(self, parts: list[tuple[npt.NDArray[np.int64], ...]], files: list[OpenFile]) -> None:
-        """Group (file, cell, lo, hi, group) pairs into rows: one per cell touched."""
-        file_id, cell, lo, hi, group = (
-            np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64)
-            for i in range(5)
+        files = list(self.files)
+        cells = index(
+            [self.files[f] for f in files],
+            [self.file_groups[f] for f in files],
+            [f.size for f in files],
+            len(self.groups),
+            chunk,
         )
-        order = np.lexsort((group, cell, file_id))
-        file_id, cell, lo, hi, group = (a[order] for a in (file_id, cell, lo, hi, group))
-        new_row = np.ones(len(cell), dtype=bool)
-        new_row[1:] = (cell[1:] != cell[:-1]) | (file_id[1:] != file_id[:-1])
-        heads = np.flatnonzero(new_row)
-        if len(heads):
-            self.hull_lo = np.minimum.reduceat(lo, heads)
-            self.hull_hi = np.maximum.reduceat(hi, heads)
-            # A row comes when its first group does: groups are numbered in the order the
-            # rank reads them (the wire contract), across all its files. (Not a span's index
-            # in its own file, which put every file's first cell before any second one.)
-            first_group = group[heads]  # each row's groups are sorted
-        else:
-            self.hull_lo = self.hull_hi = first_group = np.zeros(0, np.int64)
-        distinct = new_row.copy()
-        distinct[1:] |= group[1:] != group[:-1]
-        row_of_pair = np.cumsum(new_row) - 1
-        self._group_flat = group[distinct].astype(np.int32)
-        self._group_ptr = np.searchsorted(row_of_pair[distinct], np.arange(len(heads) + 1))
-        np.add.at(self.remaining, self._group_flat, 1)
-        # Consumption: groups left unread per row, and each group's rows (inverse CSR).
-        per_row = np.diff(self._group_ptr)
-        self._unread = per_row.astype(np.int64)
-        row_of_entry = np.repeat(np.arange(len(per_row)), per_row)
-        by_group = np.argsort(self._group_flat, kind="stable")
-        self._rows_by_group = row_of_entry[by_group]
-        self._rows_ptr = np.searchsorted(
-            self._group_flat[by_group], np.arange(len(self.groups) + 1)
-        )
+        self.group_bytes = cells.group_bytes
+        self.rows = cells.rows  # of its strided spans: what planning expands (--user-max-rows)
+        self.hull_lo, self.hull_hi = cells.hull_lo, cells.hull_hi
+        self._group_flat, self._group_ptr = cells.group_flat, cells.group_ptr
+        self.remaining = cells.remaining
+        self._unread = cells.unread
+        self._rows_by_group, self._rows_ptr = cells.rows_by_group, cells.rows_ptr
         self.consumed = np.zeros(len(self.groups), dtype=bool)
         self.read_first = False  # the last consume() took a group not yet ready
         self.holding: set[CellKey] = set()  # warmed for it, not yet reported read
@@ -178,16 +252,11 @@ class Request:
         # slice, so no Python object per row (a dict and a set of tuples cost ~200 B/row).
         self._files = files
         self._file_index = {file: i for i, file in enumerate(files)}
-        self._row_cell = cell[heads]
-        self._file_rows: list[int] = np.searchsorted(
-            file_id[heads], np.arange(len(files) + 1)
-        ).tolist()
+        self._row_cell = cells.row_cell
+        self._file_rows: list[int] = cells.file_rows
         self._file_starts = self._file_rows[:-1]
         self.pending = _RowSet(self)
-        # Rows in the order of their first groups (a group's rows in file order); rows no
-        # longer pending are passed over.
-        order = np.argsort(first_group, kind="stable")
-        self.queue = CellQueue(order, self.key_of, self.pending.flags)
+        self.queue = CellQueue(cells.queue_order, self.key_of, self.pending.flags)
 
     def row_of(self, key: CellKey) -> int | None:
         """The row of a cell this request touches (None when it touches no byte there)."""

@@ -107,6 +107,8 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
     """Serve until SIGTERM or SIGINT; return the exit status."""
     _prepare_socket_path(config.socket)
     node = Node(config)
+    # The helpers' interpreters start while the rest starts (a few tenths of a second).
+    helpers = asyncio.get_running_loop().run_in_executor(None, node.helpers.start)
     grants = Grants(
         node.files,
         ttl=config.grant_seconds,
@@ -165,6 +167,10 @@ async def serve(config: DaemonConfig, *, on_ready: Callable[[], None] | None = N
     if config.metrics:
         node.metrics.serve(config.metrics)
     node.start()
+    try:
+        await helpers
+    except Exception:  # they start with the first large request instead
+        logger.warning("could not start the helper processes", exc_info=True)
     expiry = asyncio.get_running_loop().create_task(_expire_grants(grants), name="grants")
     for name in ("", WARMER):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -28,7 +28,6 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import DecodeError
 
 from spanwarm import __version__
 from spanwarm.costmodel import FilePlan
@@ -37,10 +36,10 @@ from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.grants import Grant, Grants, same_token
 from spanwarm.daemon.heap import trim_heap
 from spanwarm.daemon.node import Node
-from spanwarm.daemon.request import FAILED, READY, Event, Request
+from spanwarm.daemon.request import FAILED, READY, Event, Request, index_cells
+from spanwarm.daemon.span_check import CheckedRequest, decode_and_check, decode_message
 from spanwarm.errors import (
     CheckpointError,
-    InvalidRequestError,
     RequestTooLargeError,
     SpanwarmError,
     UnauthenticatedError,
@@ -57,6 +56,10 @@ _MAX_DETAILS = 1000  # characters of a status message (it travels in a header)
 _PATH_SHOWN = 400  # characters of a path quoted in a refusal (its head and its tail)
 _DECODE_INLINE = 64 * 2**10  # bytes of a Consumed message decoded on the loop
 _LARGE = 10_000  # spans: a request this large has its memory given back when done
+# A request this large is decoded, checked and indexed in a helper process (about a
+# millisecond of GIL per thousand spans otherwise); a small one costs less than the trip.
+_IN_HELPER = 16 * 2**10  # bytes of a Warm message
+_SPANS_IN_HELPER = 1_000
 # A message this large has its memory given back when its call ends, however it ends: a
 # refusal's exception holds the handler's frame (the raw and the decoded message) in a
 # reference cycle that only the collector frees, and a daemon that allocates little
@@ -130,15 +133,8 @@ def _forget_frames(exc: BaseException) -> None:
         chained = chained.__cause__ or chained.__context__
 
 
-def _decode(cls: Any, data: bytes) -> Any:
-    try:
-        return cls.FromString(data)
-    except (DecodeError, ValueError) as exc:
-        raise InvalidRequestError(f"not a valid {cls.DESCRIPTOR.name}: {exc}") from None
-
-
 def _decode_consumed(data: bytes) -> tuple[int, npt.NDArray[np.int64], str]:
-    request = _decode(warmer_pb2.ConsumedRequest, data)
+    request = decode_message(warmer_pb2.ConsumedRequest, data)
     groups = np.fromiter(request.groups, dtype=np.int64, count=len(request.groups))
     return request.request_id, groups, request.token
 
@@ -224,9 +220,7 @@ class WarmerService:
             # Decoding 100k spans takes milliseconds, open may block on a network mount,
             # and 1M spans take a while to index: all of it off the loop.
             request: Any = None
-            async with contextlib.aclosing(
-                self._off_loop(_decode, warmer_pb2.WarmRequest, data)
-            ) as beats:
+            async with contextlib.aclosing(self._off_loop(self._check, data)) as beats:
                 async for beat in beats:
                     if beat is None:
                         yield self._heartbeat()
@@ -443,10 +437,19 @@ class WarmerService:
             for file in job.result().acquired:
                 self.node.files.release(file)
 
-    def _admit(self, request: Any, granted: list[Adopted] | None) -> Request:
-        admitted = admit(request, self.node.files, self.config, granted)
+    def _check(self, data: bytes) -> CheckedRequest:
+        """Decode and check a Warm request (in an admission thread): a large one in a
+        helper process, out of the daemon's GIL."""
+        if len(data) > _IN_HELPER:
+            return self.node.helpers.call(decode_and_check, data, self.config)
+        return decode_and_check(data, self.config)
+
+    def _admit(self, request: CheckedRequest, granted: list[Adopted] | None) -> Request:
+        admitted = admit(request, self.node.files, granted)
+        large = len(request.offset) > _SPANS_IN_HELPER
+        index = functools.partial(self.node.helpers.call, index_cells) if large else index_cells
         try:
-            live = Request(admitted, self.node.chunk)
+            live = Request(admitted, self.node.chunk, index)
         except BaseException:  # MemoryError, a bug: the files go back all the same
             for file in admitted.files:
                 self.node.files.release(file)
@@ -481,7 +484,7 @@ class WarmerService:
         return await self._unary(context, self._status, data)
 
     async def _status(self, data: bytes) -> Any:
-        token = _decode(warmer_pb2.StatusRequest, data).token
+        token = decode_message(warmer_pb2.StatusRequest, data).token
         if token:
             uid = self.grants.uid_of(token)
             if uid is None:

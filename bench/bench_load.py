@@ -14,7 +14,9 @@ socket, a fresh one per scenario; shared files of random bytes in a temporary di
   then, reports all its tensors consumed and waits for its stream to end. Meanwhile this
   process calls Status in a tight loop (one channel, 10 s timeout per call) and records
   its latency during admission (from the barrier until every rank has received its plan)
-  and during warming (from then until every rank has all its tensors ready).
+  and during warming (from then until every rank has all its tensors ready); beside it,
+  a thread sends one byte to an echo process and back, over and over: the floor that any
+  local request and answer have on the loaded node.
 - B: ``--sequential`` requests one after another from this process, each 4 spans of
   16 KiB in a region no earlier request touched (cold): request, wait for all ready
   (checking residency the same way), report consumed, wait for the stream's end.
@@ -39,6 +41,8 @@ import itertools
 import json
 import multiprocessing
 import os
+import shutil
+import socket as socket_module
 import statistics
 import subprocess
 import sys
@@ -255,11 +259,68 @@ def proactive_reclaim() -> str | None:
 # -- Status in a tight loop ------------------------------------------------------------
 
 
+_ECHO_SERVER = """
+import socket, sys
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("ready", flush=True)
+connection, _ = listener.accept()
+while data := connection.recv(64):
+    connection.sendall(data)
+"""
+
+
+class EchoPoller:
+    """The floor under Status's latency on a loaded node: one byte sent to an echo process
+    (plain Python, no work per call) and back, over a Unix socket, back to back beside the
+    Status calls; (start, seconds, ok) per round trip. Both processes compete for the
+    cores with the ranks the way the daemon and its caller do."""
+
+    def __init__(self, directory: str) -> None:
+        path = os.path.join(directory, "echo.sock")
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_SERVER, path], stdout=subprocess.PIPE, text=True
+        )
+        assert self._server.stdout is not None
+        self._server.stdout.readline()
+        self._socket = socket_module.socket(socket_module.AF_UNIX)
+        self._socket.connect(path)
+        self.samples: list[tuple[float, float, bool]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            start = time.monotonic()
+            self._socket.sendall(b"x")
+            ok = self._socket.recv(64) == b"x"
+            self.samples.append((start, time.monotonic() - start, ok))
+            time.sleep(0.001)  # as often as Status is called, about
+
+    def __enter__(self) -> EchoPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+        self._server.kill()
+        self._server.wait()
+
+    def between(self, start: float, end: float) -> list[float]:
+        return [s for t, s, _ in self.samples if start <= t < end]
+
+
 class StatusPoller:
-    """Calls Status back to back on one channel; (start, seconds, ok) per call."""
+    """Calls Status back to back on one channel; (start, seconds, ok) per call; and beside
+    it, an echo's round trips (``echo``)."""
 
     def __init__(self, socket: str) -> None:
         self.socket = socket
+        self._directory = tempfile.mkdtemp(prefix="sw-echo-")
+        self.echo = EchoPoller(self._directory)
         self.samples: list[tuple[float, float, bool]] = []
         self.errors: list[str] = []
         self.last: dict[str, Any] = {}
@@ -279,12 +340,15 @@ class StatusPoller:
                 self.samples.append((start, time.monotonic() - start, ok))
 
     def __enter__(self) -> StatusPoller:
+        self.echo.__enter__()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.echo.__exit__()
+        shutil.rmtree(self._directory, ignore_errors=True)
 
     def between(self, start: float, end: float) -> tuple[list[float], int]:
         """Latencies of the calls started in [start, end), and how many of them failed."""
@@ -492,6 +556,8 @@ def summarize_a(
     idle, idle_err = poller.between(0, go)
     admission, adm_err = poller.between(go, admitted)
     warming, warm_err = poller.between(admitted, warmed)
+    echo_admission = poller.echo.between(go, admitted)
+    echo_warming = poller.echo.between(admitted, warmed)
     plan_s = [res["plan_s"] for res in got if res["plan_s"] is not None]
     ready_s = [res["all_ready_s"] for res in got if res["all_ready_s"] is not None]
     rows = [
@@ -514,6 +580,8 @@ def summarize_a(
         ("Status, idle", percentiles(idle) + _errors(idle_err)),
         ("Status, during admission", percentiles(admission) + _errors(adm_err)),
         ("Status, during warming", percentiles(warming) + _errors(warm_err)),
+        ("the floor: an echo's round trip, during admission", percentiles(echo_admission)),
+        ("the floor: an echo's round trip, during warming", percentiles(echo_warming)),
         *fp.rows(),
     ]
     problems = []
@@ -733,7 +801,9 @@ def main() -> None:
         "10 per tensor, overlapping between ranks; each checks with mincore that every tensor "
         "reported ready is resident at that moment, then reports all consumed. Status is "
         "called back to back meanwhile (admission: until every rank has its plan; warming: "
-        "from then until every rank has all its tensors). B: one client sends requests one "
+        "from then until every rank has all its tensors); beside it, one byte to an echo "
+        "process and back, over and over: the floor of any local call on the loaded node. "
+        "B: one client sends requests one "
         "after another (request, all ready, consumed, stream ended). The daemon's RSS and "
         "descriptors: idle before, peak (every 50 ms), and 2 s after the last stream ended.\n",
     ]

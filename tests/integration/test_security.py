@@ -29,6 +29,7 @@ import pytest
 
 from bench.slowfs import Hang, fuse_available, mount
 from spanwarm.client import Client, TensorSpans
+from spanwarm.daemon.front_door import inner_socket_path
 from spanwarm.residency import PAGE, evict, resident_bytes
 from tests.daemon_harness import running_daemon
 
@@ -383,6 +384,21 @@ def test_roots_status_answers_while_a_user_holds_every_connection_it_may(area: A
         finally:
             hog.kill()
             hog.wait()
+
+
+def test_no_user_reaches_grpc_behind_the_door(area: Area) -> None:
+    """The inner socket gRPC listens on is in a 0700 directory of the daemon's user: a
+    member of the socket group connecting there directly (past the door's per-uid count)
+    is refused by the kernel; through the door, the same user is served."""
+    with group_daemon(area, open_files=1024) as daemon:
+        inner = inner_socket_path(daemon.socket)
+        assert os.path.exists(inner)
+        direct = as_user(MALLORY, "grpc_hog", socket=inner, connections=5, speak=True, seconds=0)
+        door = as_user(
+            MALLORY, "grpc_hog", socket=daemon.socket, connections=5, speak=True, seconds=0
+        )
+    assert direct == {"opened": 0, "open": 0}, direct
+    assert door["open"] == 5, door
 
 
 def test_a_connection_that_never_speaks_is_closed_and_counted_no_more(area: Area) -> None:

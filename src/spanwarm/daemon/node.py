@@ -1182,7 +1182,8 @@ class Node:
         files = []
         warm_by_file: dict[OpenFile, list[Range]] = {}
         for (file, _), cell in self._cells.items():
-            warm_by_file.setdefault(file, []).extend((a, b) for a, b, _ in cell.warm)
+            if cell.warm:  # most cells, while ranks are admitted: no generator for them
+                warm_by_file.setdefault(file, []).extend([(a, b) for a, b, _ in cell.warm])
         shown = [r for r in self._requests if visible is None or visible(r)]
         named: dict[OpenFile, str] = {}  # what the shown requests' callers call each file
         for r in shown:

@@ -387,11 +387,11 @@ class Request:
     def resolved(self) -> bool:
         return not bool(self.waiting.any())
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # its id, not its address: the same order run after run
         return self.id
 
-    def __eq__(self, other: object) -> bool:
-        return self is other
+    # Equality is identity (object's own, in C): a cell's waiter list is searched for a
+    # request on every wait, and a Python __eq__ made that a call per waiter.
 
 
 class _RowSet:

@@ -135,3 +135,23 @@ def test_helpers_run_below_the_daemon_s_priority(pool: HelperPool) -> None:
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     for pid in pool.pids():
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(mine + 10, 19)
+
+
+def test_a_helper_imports_nothing_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A daemon started in a directory others may write: their spanwarm/ is not imported.
+    planted = tmp_path / "spanwarm" / "daemon"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    for package in (tmp_path / "spanwarm", planted):
+        (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (planted / "helpers.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    helpers = HelperPool(1)
+    try:
+        helpers.start()
+        assert helpers.call(sum, [2, 3]) == 5
+    finally:
+        helpers.close()
+    assert not marker.exists()

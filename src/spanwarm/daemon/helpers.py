@@ -8,7 +8,7 @@ preempted while it holds the GIL and keeps it until it runs again, and the event
 cores. In a process of their own, at niceness +10, the same steps cost the daemon only
 the copying of their arrays; the calling thread waits on a pipe, without the GIL.
 
-Each helper is ``python -m spanwarm.daemon.helpers``, started by the daemon (never a fork
+Each helper is ``python -P -m spanwarm.daemon.helpers``, started by the daemon (never a fork
 of it: its grpc threads would be copied mid-step), talking pickle frames over its stdin
 and stdout; it runs one call at a time and exits when its stdin closes, so it never
 outlives the daemon, however the daemon ends. The functions it runs take and return plain
@@ -76,7 +76,9 @@ class _Helper:
 
     def __init__(self, nice: int) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "spanwarm.daemon.helpers", str(nice)],
+            # -P: the working directory is not on the path (a root daemon started in a
+            # directory others may write would import their spanwarm/ otherwise).
+            [sys.executable, "-P", "-m", "spanwarm.daemon.helpers", str(nice)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,

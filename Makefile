@@ -38,6 +38,25 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-vllm.txt -e .
 	touch $@
 
+# SGLang's tests run in a third virtualenv: SGLang 0.5.23 pins torch 2.14.1 (a CUDA build,
+# run on CPU) and imports torchvision. --no-deps: its full list pulls CUDA-only kernels;
+# the packages after it are what its loader, models and parallel state import.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): pyproject.toml constraints-sglang.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-sglang.txt \
+		torch torchvision
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-sglang.txt \
+		--no-deps sglang
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-sglang.txt \
+		transformers tokenizers safetensors huggingface_hub tqdm psutil requests pydantic einops \
+		orjson msgspec pybase64 pillow starlette pyzmq IPython aiohttp dill apache-tvm-ffi \
+		sentencepiece compressed-tensors gguf openai partial-json-parser pytest pytest-timeout mfusepy
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-sglang.txt -e .
+	touch $@
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -60,9 +79,10 @@ $(CONTAINER_STAMP): $(STAMP)
 	fi
 	touch $@
 
-test: check $(VLLM_STAMP) $(CONTAINER_STAMP)
+test: check $(VLLM_STAMP) $(SGLANG_STAMP) $(CONTAINER_STAMP)
 	$(BIN)/pytest
 	$(VLLM_VENV)/bin/pytest tests/vllm
+	$(SGLANG_VENV)/bin/pytest tests/sglang
 
 # Benchmarks need the bench extra and, for the emulated mount and the tool comparison,
 # Debian's fuse3 and vmtouch (installed here when we are root; otherwise they skip).
@@ -92,4 +112,4 @@ protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .mypy_cache .ruff_cache .pytest_cache src/*.egg-info

@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 # vLLM's tests need vLLM, which lives in a virtualenv of its own (make test runs them there).
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["vllm/*"]
+collect_ignore_glob = [
+    *([] if importlib.util.find_spec("vllm") else ["vllm/*"]),
+    # SGLang's likewise.
+    *([] if importlib.util.find_spec("sglang") else ["sglang/*"]),
+]
 
 
 def raw_safetensors(header: object, data: bytes = b"", *, pad: bool = True) -> bytes:

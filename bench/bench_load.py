@@ -1,7 +1,7 @@
 """Load: many rank processes on one daemon, and many short requests in a row.
 
     .venv/bin/python bench/bench_load.py [--ranks 64] [--spans 10000] [--sequential 1000]
-        [--quick] [--markdown PATH] [--samples PATH]
+        [--quick] [--daemon-nice N] [--markdown PATH] [--samples PATH]
 
 A real daemon (``spawn_daemon``, default flags but ``--log-level warning``) on a private
 socket, a fresh one per scenario; shared files of random bytes in a temporary directory
@@ -256,6 +256,19 @@ def proactive_reclaim() -> str | None:
     return None
 
 
+def renice(pid: int, nice: int | None) -> None:
+    """Run the daemon as the systemd unit's ``Nice=`` would: every thread of it at ``nice``
+    (threads started later inherit it), its helper processes 10 above."""
+    if nice is None:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in children:
+        for tid in os.listdir(f"/proc/{child}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(nice + 10, 19))
+
+
 # -- Status in a tight loop ------------------------------------------------------------
 
 
@@ -409,6 +422,7 @@ def scenario_a(args: argparse.Namespace, paths: list[str]) -> tuple[list[tuple[s
         PageMonitor(paths) as pages,
         spawn_daemon("--log-level", "warning") as daemon,
     ):
+        renice(daemon.process.pid, args.daemon_nice)
         fp = Footprint(daemon.process.pid, daemon.socket)
         changed = threading.Condition()
         command = [
@@ -653,6 +667,7 @@ def scenario_b(args: argparse.Namespace, paths: list[str]) -> tuple[list[tuple[s
     failed = released = not_resident = timed_out = unended = 0
     first_failure: tuple[str, str] | None = None
     with spawn_daemon("--log-level", "warning") as daemon:
+        renice(daemon.process.pid, args.daemon_nice)
         fp = Footprint(daemon.process.pid, daemon.socket)
         start = time.monotonic()
         with Client(daemon.socket, stall_timeout=args.stall_timeout) as client:
@@ -772,6 +787,12 @@ def main() -> None:
         action="store_true",
         help="fail on any ready tensor not resident, even one the machine evicted after it "
         "was seen warm",
+    )
+    parser.add_argument(
+        "--daemon-nice",
+        type=int,
+        default=None,
+        help="run the daemon at this niceness, as the systemd unit does (Nice=-5; root only)",
     )
     parser.add_argument("--markdown", type=Path, help="write the section to this file")
     parser.add_argument(

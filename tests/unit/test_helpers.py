@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from spanwarm.daemon.config import DaemonConfig
-from spanwarm.daemon.file_plans import plan_files
 from spanwarm.daemon.helpers import HelperDiedError, HelperPool
 from spanwarm.daemon.request import index_cells
 from spanwarm.daemon.span_check import decode_and_check
@@ -76,12 +75,6 @@ def test_the_steps_give_in_a_helper_what_they_give_here(pool: HelperPool) -> Non
     assert remote.file_rows == local.file_rows
     np.testing.assert_array_equal(remote.hull_hi, local.hull_hi)
     np.testing.assert_array_equal(remote.queue_order, local.queue_order)
-
-    files = [("/a", 1 << 30, table, 12 << 20)]
-    ((plan_here, cells_here),) = plan_files(files, 1 << 20)
-    ((plan_there, cells_there),) = pool.call(plan_files, files, 1 << 20)
-    assert plan_there.to_json() == plan_here.to_json()
-    np.testing.assert_array_equal(cells_there, cells_here)
 
 
 def test_a_refusal_comes_back_as_itself(pool: HelperPool) -> None:

@@ -1,6 +1,5 @@
 """Planning files for the node: each file's plan over all its users' spans, and the cells
-that plan reads. Pure work on arrays, run in a helper process for a large batch
-(:mod:`.helpers`)."""
+that plan reads. Pure work on arrays, in the planning thread for a large batch."""
 
 from __future__ import annotations
 

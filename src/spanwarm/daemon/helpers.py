@@ -1,5 +1,5 @@
 """Helper processes for the daemon's CPU-heavy pure steps: decoding and checking a large
-request's spans, indexing them by cell, planning files.
+request's spans, and indexing them by cell.
 
 Those steps hold the GIL for about a millisecond per thousand spans. In a thread of the
 daemon, on a node whose ranks keep the cores busy while they start, the thread is
@@ -19,6 +19,7 @@ helper that dies fails its call with ``HelperDiedError`` and is replaced.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import logging
 import os
@@ -42,8 +43,9 @@ T = TypeVar("T")
 
 _FRAME = struct.Struct("<Q")  # each message: its length, then its pickle
 # The modules whose functions helpers run, imported before a helper says it is ready.
-_STEPS = ("spanwarm.daemon.span_check", "spanwarm.daemon.request", "spanwarm.daemon.file_plans")
+_STEPS = ("spanwarm.daemon.span_check", "spanwarm.daemon.request")
 _READY = b"r"
+_PIPE_BYTES = 2**20  # the default /proc/sys/fs/pipe-max-size
 
 
 class HelperDiedError(SpanwarmError):
@@ -85,6 +87,11 @@ class _Helper:
         )
         self._stdin: IO[bytes] = self.process.stdin  # type: ignore[assignment]
         self._stdout: IO[bytes] = self.process.stdout  # type: ignore[assignment]
+        # A call's arrays in one pipe buffer where they fit: each 64 KiB of a default
+        # pipe is a read that gives up the GIL and takes it back from the event loop.
+        for pipe in (self._stdin, self._stdout):
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         self.ready = False
 
     def wait_ready(self) -> None:

@@ -163,6 +163,12 @@ def _to_plan(jobs: list[tuple[OpenFile, list[SpanTable], int]]) -> list[FileToPl
     return [(f.path, f.size, SpanTable.concat(tables), cost) for f, tables, cost in jobs]
 
 
+def _plan_in_thread(
+    jobs: list[tuple[OpenFile, list[SpanTable], int]], chunk: int
+) -> list[tuple[FilePlan, npt.NDArray[np.int64]]]:
+    return plan_files(_to_plan(jobs), chunk)
+
+
 def _clip(runs: Iterable[Range], lo: int, hi: int) -> list[Range]:
     return [(max(a, lo), min(b, hi)) for a, b in runs if a < hi and b > lo]
 
@@ -277,8 +283,8 @@ class Node:
         # answering Status and streaming readiness come before admitting more work.
         self.admission_pool = DaemonThreadPool(2, "spanwarm-admit", nice=10)
         self._plan_pool = DaemonThreadPool(1, "spanwarm-plan", nice=10)
-        # Large requests are decoded, checked, indexed and planned in these (the threads
-        # above only wait for them): under the GIL, that work held up Status for seconds.
+        # Large requests are decoded, checked and indexed in these (the admission threads
+        # only wait for them): under the GIL, that work held up Status for seconds.
         self.helpers = HelperPool(2)
         self._planner: asyncio.Task[None] | None = None
         self._plan_wake = asyncio.Event()
@@ -607,10 +613,16 @@ class Node:
             ]
             rows = sum(int(t.count.sum()) for _, tables, _ in jobs for t in tables)
             try:
-                if rows <= _PLAN_INLINE:  # well under a millisecond: no hand-off
+                if rows <= _PLAN_INLINE:  # well under a millisecond: no thread hand-off
                     plans = plan_files(_to_plan(jobs), self.chunk)
-                else:  # a thread waits for a helper process (and holds no GIL meanwhile)
-                    plans = await loop.run_in_executor(self._plan_pool, self._plan_in_helper, jobs)
+                else:
+                    # A thread, not a helper process: a batch carries every user's spans
+                    # of its files (20 MB for 64 ranks of 10,000), and passing that through
+                    # a pipe took the GIL from the loop and back once per 64 KiB, stalling
+                    # it for seconds while ranks were warmed (bench/bench_load.py).
+                    plans = await loop.run_in_executor(
+                        self._plan_pool, _plan_in_thread, jobs, self.chunk
+                    )
                 planned = [
                     (file, plan, CellQueue(cells, functools.partial(_cell_of, file)))
                     for (file, _, _), (plan, cells) in zip(jobs, plans, strict=True)
@@ -630,11 +642,6 @@ class Node:
                 if not waiter.done():
                     waiter.set_result(None)
             self._wake.set()
-
-    def _plan_in_helper(
-        self, jobs: list[tuple[OpenFile, list[SpanTable], int]]
-    ) -> list[tuple[FilePlan, npt.NDArray[np.int64]]]:
-        return self.helpers.call(plan_files, _to_plan(jobs), self.chunk)
 
     def plan_of(self, request: Request) -> list[tuple[FilePlan, float]]:
         """The node plan for the request's files, each named as its caller knows it, with

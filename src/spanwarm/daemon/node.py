@@ -617,9 +617,9 @@ class Node:
                     plans = plan_files(_to_plan(jobs), self.chunk)
                 else:
                     # A thread, not a helper process: a batch carries every user's spans
-                    # of its files (20 MB for 64 ranks of 10,000), and passing that through
-                    # a pipe took the GIL from the loop and back once per 64 KiB, stalling
-                    # it for seconds while ranks were warmed (bench/bench_load.py).
+                    # of its files (20 MB for 64 ranks of 10,000), each pipe buffer of it
+                    # a GIL round trip with the loop; planned in a helper, the loop stalled
+                    # for 4-10 s while ranks were warmed in 3 of 4 bench/bench_load.py runs.
                     plans = await loop.run_in_executor(
                         self._plan_pool, _plan_in_thread, jobs, self.chunk
                     )

@@ -1,4 +1,5 @@
-"""Admitting a Warm request: validate it whole, take its files, or refuse it with a reason.
+"""Admitting a Warm request whose spans passed :mod:`.span_check`: take its files (the
+node's file table), or refuse it with a reason.
 
 Every refusal is a :mod:`spanwarm.errors` type whose ``grpc_code`` the service answers
 with, naming the file, the offset and the cause. A request's files come as descriptors

@@ -115,7 +115,7 @@ class _Helper:
         raise value
 
     def stop(self) -> None:
-        """Close its stdin (it exits when it next reads) and let it go."""
+        """Close its pipes and kill it (a thread reaps it)."""
         with contextlib.suppress(OSError):
             self._stdin.close()
         with contextlib.suppress(OSError):

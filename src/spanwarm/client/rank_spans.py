@@ -32,7 +32,7 @@ from spanwarm.tensor_layout import TensorSpans, global_shape, stored_tensor_span
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KeyMap", "TensorSpans", "model_placements", "rank_spans"]
+__all__ = ["KeyMap", "MeshCoordinates", "TensorSpans", "model_placements", "rank_spans"]
 
 logger = logging.getLogger("spanwarm.client")
 
@@ -86,7 +86,7 @@ def _placements_of(value: Any) -> tuple[Placement, ...] | None:
         return model_placements(placements)
 
 
-class _Coordinates:
+class MeshCoordinates:
     """Where ``rank`` (this process, if None) sits in each mesh; None when outside it.
 
     For another rank, a parameter's mesh may be a slice of the root mesh that does not
@@ -140,7 +140,7 @@ def _read_runs(
     value: Any,
     stored_shape: tuple[int, ...],
     stored_dtype: str,
-    coordinates: _Coordinates,
+    coordinates: MeshCoordinates,
     converted: Converted | None,
     index: int,
 ) -> tuple[IndexRuns, ...] | Literal[False] | None:
@@ -248,7 +248,7 @@ def rank_spans(
         raise ValueError(f"unmatched must be 'warm' or 'skip', not {unmatched!r}")
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     if key_map is None and not conversions:  # each name is its own key: no routing
-        return _identity_spans(state_dict, ckpt, unmatched, _Coordinates(rank), first_pages)
+        return _identity_spans(state_dict, ckpt, unmatched, MeshCoordinates(rank), first_pages)
     to_state_key = _mapper(key_map)
     by_state_key: dict[str, list[tuple[str, Converted | None, int]]] = {}
     collected: dict[tuple[str, str], int] = {}  # (target, source pattern) -> pieces so far
@@ -269,7 +269,7 @@ def rank_spans(
         )
 
     _warn_missing([key for key in state_dict if key not in by_state_key])
-    coordinates = _Coordinates(rank)
+    coordinates = MeshCoordinates(rank)
     out: list[TensorSpans] = []
     for key, value in state_dict.items():
         for name, converted, index in by_state_key.get(key, ()):
@@ -290,7 +290,7 @@ def _identity_spans(
     state_dict: Mapping[str, Any],
     ckpt: Checkpoint,
     unmatched: Literal["warm", "skip"],
-    coordinates: _Coordinates,
+    coordinates: MeshCoordinates,
     first_pages: bool,
 ) -> list[TensorSpans]:
     """:func:`rank_spans` where every checkpoint name is its own state-dict key: a lookup
@@ -313,7 +313,7 @@ def _tensor_spans(
     name: str,
     value: Any,
     pieces: Sequence[tuple[Header, TensorInfo]],
-    coordinates: _Coordinates,
+    coordinates: MeshCoordinates,
     converted: Converted | None,
     index: int,
     first_pages: bool,

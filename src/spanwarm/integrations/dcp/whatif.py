@@ -228,14 +228,14 @@ def rule_boxes(
 
 def model_boxes(model: Any) -> Callable[[int, dict[str, tuple[int, ...]]], dict[str, Box | None]]:
     """Boxes of a transformers model's state dict (meta DTensors): the keys it loads."""
-    from spanwarm.client.rank_spans import _Coordinates, model_placements
+    from spanwarm.client.rank_spans import MeshCoordinates, model_placements
 
     state = model.state_dict()
 
     def boxes(rank: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Box | None]:
         from torch.distributed.tensor import DTensor
 
-        coordinates = _Coordinates(rank)
+        coordinates = MeshCoordinates(rank)
         out: dict[str, Box | None] = {}
         for key, value in state.items():
             shape = tuple(value.shape)

@@ -615,8 +615,9 @@ def test_a_partly_resident_tensor_is_waited_for_as_long_as_its_cold_part_takes(
     resident, but reading it here fetches only those: a rank waits for the daemon at most
     as long as that read, not as long as a cold read of all 16 MiB. (4 MiB, aligned: the
     page cache may hold the file in folios of up to 2 MiB, dropped only whole.)"""
-    from spanwarm.client.client import Ticket, _index_read_bytes
     from spanwarm.client.residency_check import note_residency
+    from spanwarm.client.ticket import Ticket
+    from spanwarm.client.ticket import index_read_bytes as _index_read_bytes
 
     path = write_file(tmp_path / "ckpt.bin", 16 * MiB)
     path.read_bytes()

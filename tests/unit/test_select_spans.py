@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spanwarm.client.client import _select_spans
+from spanwarm.client.wire import select_spans as _select_spans
 from spanwarm.rpc.v1 import warmer_pb2
 
 

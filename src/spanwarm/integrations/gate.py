@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from spanwarm.client.client import Ticket
+from spanwarm.client.ticket import Ticket
 from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["GatedReads"]

@@ -234,6 +234,9 @@ class Client:
         header: dict[str, Any],
         check: ResidencyCheck | None,
     ) -> None:
+        """The ticket's thread: the rest of the residency check, the grant, the request,
+        then the daemon's events into the ticket until the stream ends. Whatever
+        happens, the ticket ends released: nothing is left waiting on it."""
         from spanwarm.rpc.v1 import warmer_pb2
 
         try:

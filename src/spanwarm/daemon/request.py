@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.daemon.admission import AdmittedRequest, OpenFile
+from spanwarm.daemon.ranges import Range
 from spanwarm.spans import SpanTable, run_offsets
 
 __all__ = [
@@ -35,7 +36,6 @@ __all__ = [
 ]
 
 CellKey = tuple[OpenFile, int]
-Range = tuple[int, int]
 
 PENDING, READY, FAILED = 0, 1, 2
 

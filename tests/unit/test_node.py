@@ -4,6 +4,7 @@ per node, made ready and failed exactly, with no socket and no daemon around it.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -21,11 +22,14 @@ MiB = 2**20
 CHUNK = MiB
 
 
-def _run(tmp_path: Path, case: Callable[[Node, Path], Awaitable[None]]) -> None:
+def _run(
+    tmp_path: Path, case: Callable[[Node, Path], Awaitable[None]], *, workers: int = 4
+) -> None:
     """Run ``case`` on a started node of its own, closed after."""
     config = DaemonConfig(
         socket=str(tmp_path / "s.sock"),
         chunk_bytes=CHUNK,
+        workers=workers,
         seek_cost=0,  # spans, not whole files: exactly what was asked is read
         state_dir="",
         allow=(str(tmp_path),),
@@ -217,3 +221,23 @@ def test_a_file_replaced_while_warming_is_aborted_not_ready(tmp_path: Path) -> N
 
 def test_a_released_request_gives_back_its_files_and_cells(tmp_path: Path) -> None:
     _run(tmp_path, _test_a_released_request_gives_back_its_files_and_cells)
+
+
+async def _first_tensors_go_first(node: Node, tmp_path: Path) -> None:
+    a = _file(node, tmp_path, "a", 8 * MiB)
+    b = _file(node, tmp_path, "b", 8 * MiB)
+    gate = threading.Event()
+    _cache(node).on_read = lambda file, start, stop: gate.wait(10)  # type: ignore[assignment]
+    r1 = _request(node, [(a, "r1.t0", 0, MiB), (a, "r1.t1", 4 * MiB, MiB)])
+    r2 = _request(node, [(b, "r2.t0", 0, MiB), (b, "r2.t1", 4 * MiB, MiB)])
+    await asyncio.gather(node.register(r1), node.register(r2))
+    gate.set()
+    await asyncio.gather(_events(r1), _events(r2))
+    cells = list(dict.fromkeys((f, s // CHUNK) for f, s, _ in _cache(node).reads))
+    assert cells == [(a, 0), (b, 0), (a, 4), (b, 4)] or cells == [(b, 0), (a, 0), (b, 4), (a, 4)]
+    node.release(r1)
+    node.release(r2)
+
+
+def test_every_rank_s_first_tensor_goes_before_any_second(tmp_path: Path) -> None:
+    _run(tmp_path, _first_tensors_go_first, workers=1)

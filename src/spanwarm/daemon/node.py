@@ -1,42 +1,27 @@
-"""The node: every live request, one plan per file, readiness per tensor group, the budget.
+"""The node: every live request of one daemon, wired to the parts that serve them.
 
-(What one request needs, cell by cell, is kept by :mod:`spanwarm.daemon.request`.)
+Everything here runs on the event loop thread; only the blocking warm operations run in
+worker threads (and large admissions in helper processes). The unit of work is a *cell*:
+the bytes ``[i*C, (i+1)*C)`` of a file (C = the chunk size, the device read-ahead window)
+intersected with the file's plan. The parts, one idea each:
 
-Everything here runs on the event loop thread; only the blocking warm operations run
-in worker threads. The unit of work is a *cell*: the bytes ``[i*C, (i+1)*C)`` of a file
-(C = the chunk size, the device read-ahead window) intersected with the file's plan.
+- :mod:`~spanwarm.daemon.node_plans`: each file's plan over every live request naming it,
+  recomputed in batches; a request becomes *active* (its cells waited on) only once a
+  plan including its spans is in place.
+- :mod:`~spanwarm.daemon.request`: what one request needs, cell by cell, and its groups.
+- :mod:`~spanwarm.daemon.cells`: per cell, what was warmed and when, what failed, who waits.
+- :mod:`~spanwarm.daemon.scheduler` and :mod:`~spanwarm.daemon.fair_share`: which cell
+  goes next, fair across users, then across a user's ranks, first tensors first.
+- :mod:`~spanwarm.daemon.warming` over :mod:`~spanwarm.daemon.page_cache`: the warm
+  operation, piece by piece, bad pages narrowed down.
+- :mod:`~spanwarm.daemon.readiness`: when a cell is warm for a request, which groups
+  are ready or failed.
+- :mod:`~spanwarm.daemon.holds`: the memory budget in use (warmed, not yet read).
 
-- **Plan.** Each file's plan is the cost model applied to the union of the spans of
-  every live request that names it (every rank, every job): bridged runs, or the whole
-  file. It is recomputed when a request arrives or leaves, so warming that nobody needs
-  any more drops out of the plan and its queued cells are skipped. Planning runs in a
-  worker thread, in batches (every file that changed since the last batch); a request
-  becomes *active* (its cells waited on, its plan event sent) only once a plan that
-  includes its spans is in place, so a stale plan can never make it ready early. A plan
-  left over from a request that has gone is a superset: harmless.
-- **Need.** A request needs, in each cell its spans touch, the planned bytes between the
-  first and last byte it names there (its *hull*). Its tensor groups each wait for the
-  cells their spans touch.
-- **Readiness.** A request's cell is satisfied when pieces of warm operations that
-  completed after the request arrived cover its need. A group is ready when all its cells
-  are. Bytes warmed for one request serve every other one that arrived before the piece
-  completed, so each byte is read once per node; a late arrival re-checks residency
-  (where mincore can be trusted) instead of reading again.
-- **Order.** Users (uids) share the workers fairly: the next operation goes to the user
-  the node served least lately (worker time, decaying by half every
-  ``USAGE_HALF_LIFE`` seconds), below its cap on operations in flight; while such
-  a user has cells waiting and every worker is busy, heavier users' operations stop at
-  their next piece (``_to_preempt``). So one user's flood of streams cannot starve
-  another user's load. Within a user, its requests take
-  turns (round robin); each one's cells go in the order of its tensor groups (the order
-  the rank reads them, across all its files), so every rank's first tensors are warm
-  first. Cells the plan reads that no request needs (bridged
-  gaps, whole files) take the last turn, in the turns of the users whose files they are.
-- **Faults.** A warm operation that fails is narrowed down page by page
-  (:func:`~spanwarm.daemon.warm_engine.bad_pages`): the good bytes count as warm, and
-  only the groups with a byte on a bad page fail, with the errno and the first bad offset.
-- **Shutdown.** Warm, planning and admission threads are daemon threads: a read hung in
-  the storage is abandoned, never joined.
+The node registers and releases requests, takes rank's reports of tensors read
+(``--evict-after-read`` drops what nobody needs any more), dispatches operations to the
+workers, records their outcomes, and answers ``Status``. Warm, planning and admission
+threads are daemon threads: a read hung in the storage is abandoned, never joined.
 """
 
 from __future__ import annotations
@@ -67,9 +52,17 @@ from spanwarm.daemon.holds import Holds
 from spanwarm.daemon.metrics import Metrics
 from spanwarm.daemon.node_plans import NodePlans
 from spanwarm.daemon.page_cache import KernelPageCache, PageCache
-from spanwarm.daemon.ranges import Range, since, subtract, total, union
+from spanwarm.daemon.ranges import Range, total, union
+from spanwarm.daemon.readiness import (
+    fail_bad_pages,
+    fail_cell_groups,
+    finish_if_resolved,
+    mark_ready,
+    satisfied,
+)
 from spanwarm.daemon.refusals import Refusals
-from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, CellQueue, Event, Request
+from spanwarm.daemon.request import FAILED, READY, CellKey, Event, Request
+from spanwarm.daemon.scheduler import Scheduler
 from spanwarm.daemon.seek_probe import SeekProber
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput
@@ -154,6 +147,9 @@ class Node:
             unmap=self.page_cache.unpin,
         )
         self._budget_blocked = False
+        self.scheduler = Scheduler(
+            self.cells, self.plans, self.share, settle=self._settle, budget=lambda: self.budget
+        )
         self.throughput = StreamThroughput(
             config.state_dir or None, use_lone=config.seek_cost is None
         )
@@ -284,7 +280,7 @@ class Node:
         request.state[empty] = READY
         if empty.size:
             request.events.put_nowait(Event("ready", tuple(empty.tolist())))
-        self._finish_if_resolved(request)
+        finish_if_resolved(request)
         self.share.unservable.discard(request.uid)  # it has work now: worth preempting for
         self._wake.set()
 
@@ -350,7 +346,7 @@ class Node:
             self._evict_if_done(key)
             self._wake.set()  # even if another rank still holds the cell: this one may go on
         if request.active and request.read_first:
-            self._finish_if_resolved(request)
+            finish_if_resolved(request)
 
     def plan_of(self, request: Request) -> list[tuple[FilePlan, float]]:
         """The node plan for the request's files, each named as its caller knows it, with
@@ -439,156 +435,6 @@ class Node:
             return
         self.metrics.add(self.metrics.evicted, total(ranges))
 
-    # -- what goes next ----------------------------------------------------------------
-
-    def _satisfied(self, request: Request, key: CellKey) -> bool:
-        """Whether warm operations completed since the request arrived cover its need in
-        the cell. Bytes that failed while it waited on the cell are not needed: its groups
-        on them failed then (``_fail_ranges``); a failure from before it waited is not
-        excused, the bytes are read again."""
-        lo, hi = request.hull(key)
-        cell = self.cells[key]
-        need = subtract(self.plans.planned(key, lo, hi), since(cell.bad, request.activated))
-        return not subtract(need, since(cell.warm, request.arrival))
-
-    def _to_read(self, key: CellKey) -> list[Range]:
-        cell = self.cells.ensure(key)
-        waiters = [r for r in cell.waiters if key in r.pending]
-        if not waiters:  # background: whatever of the plan was never warmed (or failed)
-            done = union((a, b) for a, b, _ in (*cell.warm, *cell.bad))
-            return subtract(self.plans.planned(key, 0, 2**62), done)
-        hulls = [r.hull(key) for r in waiters]
-        lo = min(h[0] for h in hulls)
-        hi = max(h[1] for h in hulls)
-        arrived = max(r.arrival for r in waiters)
-        failed_since = max(r.activated for r in waiters)
-        done = union([*since(cell.warm, arrived), *since(cell.bad, failed_since)])
-        return subtract(self.plans.planned(key, lo, hi), done)
-
-    def _next(self, over_budget: bool = False) -> tuple[CellKey, list[Range], int] | None:
-        """The next cell to warm, and the uid whose turn it is: the user served least
-        lately goes first (:mod:`~spanwarm.daemon.fair_share`), within its cap on
-        operations in flight."""
-        users: dict[int, list[Request]] = {}
-        for r in self._requests:
-            if r.active:
-                users.setdefault(r.uid, []).append(r)
-        now = time.monotonic()
-        self.share.unservable.clear()
-        for uid in self.share.order(users, now):
-            if self.share.may_start(uid, now):
-                item = self._next_of(uid, users[uid], over_budget)
-                if item is not None:
-                    return (*item, uid)
-            self.share.unservable.add(uid)  # a worker freed now would not go to it
-        return None
-
-    def _next_of(
-        self, uid: int, requests: list[Request], over_budget: bool
-    ) -> tuple[CellKey, list[Range]] | None:
-        """The next cell among one user's requests: they take turns, background cells of
-        their files go last.
-
-        Until every one of its requests' first tensor is ready, only cells of first tensors
-        go: each rank is blocked on its first tensor, and sharing the storage with reads
-        for later tensors would only delay it. Over the budget, only a cell that
-        ``Request.may_exceed_budget`` allows still goes.
-        """
-        # Ranks still waiting for their first tensor, and able to start a read for it: one
-        # whose first-tensor reads are all in flight (or hung) holds nobody back.
-        starting = {
-            r
-            for r in requests
-            if r.groups
-            and r.state[0] == PENDING
-            and not r.consumed[0]  # read by the rank itself: not waited for
-            and self._first_tensor_cell(r, False) is not None
-        }
-        participants: list[Request | None] = [*requests, None]
-        turn = self.share.turn(uid)
-        plans = self.plans.plans
-        for step in range(len(participants)):
-            who = participants[(turn + step) % len(participants)]
-            if who is None and (over_budget or starting):
-                continue
-            if starting and who not in starting:
-                continue
-            queue = self._background_queue(requests) if who is None else who.queue
-            tried: set[CellKey] = set()
-            while queue is not None and queue:
-                key = queue.popleft()
-                cell = self.cells.get(key)
-                if who is not None and key not in who.pending:
-                    continue
-                if (
-                    who is None
-                    and cell is not None
-                    and (cell.waiters or cell.warm or cell.read_first)
-                ):
-                    continue  # a request's cell: it goes (or went) in that request's turn
-                if (cell is not None and cell.in_flight) or key[0] not in plans:
-                    continue  # in flight: its waiters are re-checked when it completes
-                held_back = who is not None and (
-                    (over_budget and not who.may_exceed_budget(key))
-                    or (who in starting and not who.serves_group(key, 0))
-                )
-                if held_back and who is not None:
-                    # The head may not go, but the rank's first pending tensor may: its
-                    # cells can sit anywhere in the queue (one re-queued in front of
-                    # them, another request's read in flight when it joined), and waiting
-                    # for them to surface at the head would stall the rank for good.
-                    queue.appendleft(key)
-                    first = self._first_tensor_cell(who, over_budget)
-                    if first is None or first in tried:
-                        break
-                    tried.add(first)
-                    key = first
-                ranges = self._to_read(key)
-                if not ranges:
-                    if who is not None:
-                        self._settle(key)
-                    continue
-                self.share.took_turn(uid, (turn + step + 1) % len(participants))
-                return key, ranges
-        return None
-
-    def _first_tensor_cell(self, request: Request, over_budget: bool) -> CellKey | None:
-        """A cell of the request's first tensor not ready yet that may be warmed now."""
-        pending = np.flatnonzero(request.waiting)
-        if not pending.size:
-            return None
-        for key in request.group_cells(int(pending[0])):
-            cell = self.cells.get(key)
-            if key not in request.pending or key[0] not in self.plans.plans:
-                continue
-            if (cell is not None and cell.in_flight) or (
-                over_budget and not request.may_exceed_budget(key)
-            ):
-                continue
-            return key
-        return None
-
-    def _background_queue(self, requests: list[Request]) -> CellQueue | None:
-        """The first queue of cells only the plan needs, in a file these requests name
-        (None when there are none, or when the plan exceeds the budget: then only what
-        ranks need is warmed)."""
-        if self.plans.planned_bytes() > self.holds.budget:
-            return None
-        background = self.plans.background
-        for file, queue in list(background.items()):
-            if not queue:
-                del background[file]
-            elif any(file in r.files for r in requests):
-                return queue
-        return None
-
-    def _to_preempt(self) -> frozenset[int]:
-        pending: collections.Counter[int] = collections.Counter()
-        for r in self._requests:
-            if r.active:
-                pending[r.uid] += len(r.pending)
-        return self.share.to_preempt(pending, time.monotonic())
-
     # -- warming -----------------------------------------------------------------------
 
     async def _dispatch(self) -> None:
@@ -597,7 +443,7 @@ class Node:
             self._wake.clear()
             while self.share.free_worker(time.monotonic()):
                 self._budget_blocked = self.holds.over_budget()
-                item = self._next(over_budget=self._budget_blocked)
+                item = self.scheduler.next(self._requests, over_budget=self._budget_blocked)
                 if item is None:
                     break
                 key, ranges, uid = item
@@ -610,7 +456,7 @@ class Node:
                 )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            self.share.preempt = self._to_preempt()  # read by the workers between pieces
+            self.share.preempt = self.scheduler.to_preempt(self._requests)  # read between pieces
 
     def _cold_read(self, file: OpenFile, nbytes: int, seconds: float) -> None:
         self.throughput.record(file.identity.device, nbytes, seconds)
@@ -702,7 +548,7 @@ class Node:
             cell.bad += tuple((b.start, b.stop, outcome.done) for b in outcome.bad)
         self._settle(key)
 
-    # -- readiness -----------------------------------------------------------------------
+    # -- readiness ----------------------------------------------------------------------
 
     def _settle(self, key: CellKey) -> None:
         """Re-check every waiter of a cell after it changed; emit what became ready."""
@@ -712,49 +558,27 @@ class Node:
         for request in list(cell.waiters):
             if key not in request.pending:
                 continue
-            if not self._satisfied(request, key):
+            if not satisfied(request, key, cell, self.plans.planned):
                 # The read did not cover it: go again, first. (A rank held to its first
-                # tensor finds that tensor's cells wherever they are: _first_tensor_cell.)
+                # tensor finds that tensor's cells wherever they are.)
                 request.queue.appendleft(key)
                 continue
-            request.pending.discard(key)
             cell.unwait(request)
             if not request.consumed[request.cell_groups(key)].all():
                 self._hold(key, request)
-            groups = request.cell_groups(key)
-            groups = groups[request.state[groups] == PENDING]
-            request.remaining[groups] -= 1
-            now_ready = groups[request.remaining[groups] == 0]
-            if now_ready.size:
-                request.state[now_ready] = READY
-                request.events.put_nowait(Event("ready", tuple(now_ready.tolist())))
-            self._finish_if_resolved(request)
+            mark_ready(request, key)
 
     def _fail_ranges(self, key: CellKey, bad: list[BadRange]) -> None:
-        """Fail exactly the groups waiting on this cell with a byte on a bad page: one
-        failed event per bad range, naming the errno and where the range starts."""
         cell = self.cells.get(key)
         if cell is None:
             return
-        file = key[0]
         for request in list(cell.waiters):
-            if key not in request.pending:
-                continue
-            for b in bad:
-                groups = request.groups_touching(file, b.start, b.stop)
-                groups = groups[request.state[groups] == PENDING]
-                if not groups.size:
-                    continue
-                request.state[groups] = FAILED
-                reason = f"{request.name_of(file)}: {b.cause} (at offset {b.start})"
-                request.events.put_nowait(
-                    Event("failed", tuple(groups.tolist()), "UNAVAILABLE", reason)
-                )
-                self.metrics.add(self.metrics.errors, 1, "UNAVAILABLE")
-            self._finish_if_resolved(request)
+            if key in request.pending:
+                failed = fail_bad_pages(request, key[0], bad)
+                self.metrics.add(self.metrics.errors, failed, "UNAVAILABLE")
         logger.warning(
             "%s: the storage failed %d bytes (first at offset %d: %s)",
-            file.path,
+            key[0].path,
             sum(b.stop - b.start for b in bad),
             bad[0].start,
             bad[0].cause,
@@ -781,22 +605,8 @@ class Node:
         self.files.forget(file)  # a later request opens the file afresh
 
     def _fail(self, request: Request, key: CellKey, code: str, cause: str) -> None:
-        """Fail the request's pending groups on this cell; the reason names the file as
-        this request's caller knows it."""
-        request.pending.discard(key)
-        groups = request.cell_groups(key)
-        groups = groups[request.state[groups] == PENDING]
-        if groups.size:
-            request.state[groups] = FAILED
-            reason = f"{request.name_of(key[0])}: {cause}"
-            request.events.put_nowait(Event("failed", tuple(groups.tolist()), code, reason))
+        if fail_cell_groups(request, key, code, cause):
             self.metrics.add(self.metrics.errors, 1, code)
-        self._finish_if_resolved(request)
-
-    def _finish_if_resolved(self, request: Request) -> None:
-        if not request.finished and request.resolved:  # (resolved looks at every group)
-            request.finished = True
-            request.events.put_nowait(Event("done"))
 
     def _planned_in(self, file: OpenFile, cell: int) -> list[Range]:
         return self.plans.planned((file, cell), 0, 2**62)

@@ -15,26 +15,21 @@ checkpoint (fused qkv and gate_up: the concatenation of the rank's shards).
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from bench.span_pages import pages_by_file
-from spanwarm.residency import PAGE
-from spanwarm.safetensors_header import read_header
+from tests import server_loads
 from tests.daemon_harness import running_daemon
+from tests.server_loads import UNSET, pages_read, requested_pages, run_with_plugin
 from tests.sglang.tiny_sglang_model import expected_parameters, write_llama
 
 pytestmark = pytest.mark.timeout(600)
 
-REPO = Path(__file__).parents[2]
 LOAD = Path(__file__).with_name("sglang_load.py")
 STUBS = Path(__file__).with_name("stubs")
 
@@ -44,50 +39,18 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llama(tmp_path_factory.mktemp("models") / "llama")
 
 
-@pytest.fixture
-def traced(tmp_path: Path) -> Iterator[Any]:
-    """Mount a model on FUSE with read-ahead off: ``traced(model) -> (mount, trace)``."""
-    from bench.slowfs import fuse_available, mount
-
-    if (reason := fuse_available()) is not None:
-        pytest.skip(reason)
-    if os.geteuid() != 0:
-        pytest.skip("turning the mount's read-ahead off needs root")
-    stack: list[Any] = []
-
-    def mounted(model: Path) -> tuple[Path, Path]:
-        n = len(stack)
-        trace = tmp_path / f"trace-{n}.jsonl"
-        context = mount(model, tmp_path / f"mnt-{n}", read_ahead_kb=0, trace=trace)
-        fs = context.__enter__()
-        stack.append(context)
-        return fs.path(""), trace
-
-    yield mounted
-    for context in reversed(stack):
-        context.__exit__(None, None, None)
-
-
 def load(model: Path, out: Path, *flags: str, **env: str) -> str:
-    """Run sglang_load.py with the plugin switched on (``env`` on top); returns its log."""
-    environ = {
-        **os.environ,
-        "SPANWARM_SGLANG": "1",
-        "SPANWARM_SGLANG_SPANS_DIR": str(out),
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(STUBS)]),
-        **env,
-    }
-    environ = {k: v for k, v in environ.items() if v is not None and v != "<unset>"}
+    """Run sglang_load.py with the plugin switched on (``env`` on top, ``UNSET``: not set);
+    returns its log."""
     out.mkdir()
-    done = subprocess.run(
+    done, log = run_with_plugin(
+        "SPANWARM_SGLANG",
         [sys.executable, str(LOAD), str(model), str(out), *flags],
-        env=environ,
-        capture_output=True,
-        text=True,
+        out,
+        paths=[STUBS],
         timeout=500,
-        check=False,
+        env=env,
     )
-    log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     return log
 
@@ -102,16 +65,6 @@ def assert_loaded(model: Path, out: Path, tp: int) -> None:
             assert torch.equal(loaded[name], tensor), f"rank {rank}: {name}"
 
 
-def requested_pages(out: Path) -> dict[int, dict[str, set[int]]]:
-    """Per rank, per file name: the pages its request names."""
-    result: dict[int, dict[str, set[int]]] = {}
-    for path in sorted(out.glob("rank-*.json")):
-        record = json.loads(path.read_text())
-        assert record["exact"], record["reason"]
-        result[record["rank"]] = pages_by_file(tuple(s[1:]) for s in record["spans"])
-    return result
-
-
 def touched_pages(trace: Path, out: Path) -> dict[int, dict[str, set[int]]]:
     """Per rank (its process, as the load script recorded it), per file: the pages its
     process read from the mount."""
@@ -119,48 +72,15 @@ def touched_pages(trace: Path, out: Path) -> dict[int, dict[str, set[int]]]:
     for path in out.glob("proc-*.json"):
         record = json.loads(path.read_text())
         ranks[record["pid"]] = record["rank"]
-    result: dict[int, dict[str, set[int]]] = {rank: {} for rank in ranks.values()}
-    for line in trace.read_text().splitlines():
-        served = json.loads(line)
-        rank = ranks.get(served["pid"])
-        if rank is not None and served["file"].endswith(".safetensors"):
-            first, size = served["offset"], served["size"]
-            result[rank].setdefault(served["file"], set()).update(
-                range(first // PAGE, (first + size - 1) // PAGE + 1)
-            )
-    return result
-
-
-def without_headers(pages: dict[str, set[int]], model: Path) -> dict[str, set[int]]:
-    """Tensor pages only: safe_open reads each header (and the page it ends in) itself."""
-    result = {}
-    for name, file_pages in pages.items():
-        data_start = read_header(model / name).data_start
-        kept = {p for p in file_pages if p * PAGE >= data_start}
-        if kept:
-            result[name] = kept
-    return result
+    return pages_read(trace, ranks)
 
 
 def assert_exact(out: Path, trace: Path, model: Path, ranks: int) -> None:
-    requested = requested_pages(out)
-    touched = touched_pages(trace, out)
-    assert sorted(requested) == sorted(touched) == list(range(ranks))
-    for rank in range(ranks):
-        want = without_headers(touched[rank], model)
-        got = without_headers(requested[rank], model)
-        assert want, f"rank {rank} read no tensor page from the mount"
-        missing = {f: sorted(want[f] - got.get(f, set())) for f in want}
-        extra = {f: sorted(got[f] - want.get(f, set())) for f in got}
-        assert not any(missing.values()), f"rank {rank} read pages it did not ask for: {missing}"
-        assert not any(extra.values()), f"rank {rank} asked for pages it did not read: {extra}"
+    server_loads.assert_exact(requested_pages(out), touched_pages(trace, out), model, ranks)
 
 
 def assert_read_warm(trace: Path, out: Path, model: Path, ranks: int) -> None:
-    read_by_ranks = touched_pages(trace, out)
-    assert sorted(read_by_ranks) == list(range(ranks))
-    for rank, pages in read_by_ranks.items():
-        assert without_headers(pages, model) == {}, f"rank {rank} read cold: {pages}"
+    server_loads.assert_read_warm(touched_pages(trace, out), model, ranks)
 
 
 def test_tp2_requests_exactly_what_each_rank_reads_and_loads_it_warm(
@@ -222,7 +142,7 @@ def test_without_switch_or_working_daemon_loads_as_without_spanwarm(
 ) -> None:
     """The switch off: nothing installed, no request. No daemon, or a frozen one: the
     checkpoint's weights all the same."""
-    log = load(model, tmp_path / "off", SPANWARM_SGLANG="<unset>")
+    log = load(model, tmp_path / "off", SPANWARM_SGLANG=UNSET)
     assert_loaded(model, tmp_path / "off", tp=1)
     assert "spanwarm:" not in log
     assert "plugin=spanwarm" not in log  # no hook registered

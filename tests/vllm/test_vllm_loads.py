@@ -16,17 +16,17 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.span_pages import pages_by_file
 from spanwarm.integrations.vllm.whatif import Layout, deployment_spans
 from spanwarm.residency import PAGE
 from spanwarm.safetensors_header import read_header
+from tests import server_loads
 from tests.daemon_harness import running_daemon
+from tests.server_loads import assert_read_warm, pages_read, requested_pages, run_with_plugin
 from tests.vllm.tiny_vllm_models import write_dense, write_fp8, write_moe
 
 pytestmark = pytest.mark.timeout(900)
@@ -44,30 +44,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dense": dense, "moe": write_moe(root / "moe"), "fp8": write_fp8(root / "fp8", dense)}
 
 
-@pytest.fixture
-def traced(tmp_path: Path) -> Iterator[Any]:
-    """Mount a model on FUSE with read-ahead off: ``traced(model) -> (mount, trace)``."""
-    from bench.slowfs import fuse_available, mount
-
-    if (reason := fuse_available()) is not None:
-        pytest.skip(reason)
-    if os.geteuid() != 0:
-        pytest.skip("turning the mount's read-ahead off needs root")
-    stack: list[Any] = []
-
-    def mounted(model: Path) -> tuple[Path, Path]:
-        n = len(stack)
-        trace = tmp_path / f"trace-{n}.jsonl"
-        context = mount(model, tmp_path / f"mnt-{n}", read_ahead_kb=0, trace=trace)
-        fs = context.__enter__()
-        stack.append(context)
-        return fs.path(""), trace
-
-    yield mounted
-    for context in reversed(stack):
-        context.__exit__(None, None, None)
-
-
 def serve(
     model: Path, spans_dir: Path, *args: str, serial: bool = False, **env: str
 ) -> tuple[dict[str, Any], str]:
@@ -75,60 +51,26 @@ def serve(
     its log. ``serial``: the ranks load one after another, each from a cold page cache
     (serial_plugin/serial_loads.py), so that each rank's reads are all its own."""
     spans_dir.mkdir(exist_ok=True)
-    paths = [str(Path(__file__).parents[2])]
-    environ = {**os.environ, "SPANWARM_VLLM": "1", "SPANWARM_VLLM_SPANS_DIR": str(spans_dir)}
+    paths: list[Path] = []
     if serial:
         (spans_dir / "serial").mkdir()
-        paths.append(str(SERIAL_PLUGIN))
-        environ["SPANWARM_TEST_SERIAL_DIR"] = str(spans_dir / "serial")
-    environ.update(PYTHONPATH=os.pathsep.join(paths), **env)
-    done = subprocess.run(
+        paths.append(SERIAL_PLUGIN)
+        env = {"SPANWARM_TEST_SERIAL_DIR": str(spans_dir / "serial"), **env}
+    done, log = run_with_plugin(
+        "SPANWARM_VLLM",
         [sys.executable, str(SERVE), str(model), *args],
-        env=environ,
-        capture_output=True,
-        text=True,
+        spans_dir,
+        paths=paths,
         timeout=800,
-        check=False,
+        env=env,
     )
-    log = done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"tokens"')]
     return (json.loads(lines[-1]) if lines else {}), log
 
 
-def requested_pages(spans_dir: Path) -> dict[int, dict[str, set[int]]]:
-    """Per rank, per file name: the pages its request names."""
-    out: dict[int, dict[str, set[int]]] = {}
-    for path in sorted(spans_dir.glob("rank-*.json")):
-        record = json.loads(path.read_text())
-        assert record["exact"], record["reason"]
-        out[record["rank"]] = pages_by_file(tuple(s[1:]) for s in record["spans"])
-    return out
-
-
 def touched_pages(trace: Path, log: str) -> dict[int, dict[str, set[int]]]:
     """Per rank (its process, from the plugin's log line), per file: the pages it read."""
-    ranks = {int(pid): int(rank) for pid, rank in _RANK_LINE.findall(log)}
-    out: dict[int, dict[str, set[int]]] = {rank: {} for rank in ranks.values()}
-    for line in trace.read_text().splitlines():
-        served = json.loads(line)
-        rank = ranks.get(served["pid"])
-        if rank is not None and served["file"].endswith(".safetensors"):
-            first, size = served["offset"], served["size"]
-            out[rank].setdefault(served["file"], set()).update(
-                range(first // PAGE, (first + size - 1) // PAGE + 1)
-            )
-    return out
-
-
-def without_headers(pages: dict[str, set[int]], model: Path) -> dict[str, set[int]]:
-    """Tensor pages only: safe_open reads each header (and the page it ends in) itself."""
-    out = {}
-    for name, file_pages in pages.items():
-        data_start = read_header(model / name).data_start
-        kept = {p for p in file_pages if p * PAGE >= data_start}
-        if kept:
-            out[name] = kept
-    return out
+    return pages_read(trace, {int(pid): int(rank) for pid, rank in _RANK_LINE.findall(log)})
 
 
 def recorded_spans(spans_dir: Path) -> dict[int, list[list[Any]]]:
@@ -154,16 +96,8 @@ def what_if(model: Path, layout: Layout) -> dict[int, list[list[Any]]]:
 
 
 def assert_exact(spans_dir: Path, trace: Path, log: str, model: Path, ranks: int) -> None:
-    requested = requested_pages(spans_dir)
-    touched = touched_pages(trace, log)
-    assert sorted(requested) == sorted(touched) == list(range(ranks)), log[-3000:]
-    for rank in range(ranks):
-        want = without_headers(touched[rank], model)
-        got = without_headers(requested[rank], model)
-        missing = {f: sorted(want[f] - got.get(f, set())) for f in want}
-        extra = {f: sorted(got[f] - want.get(f, set())) for f in got}
-        assert not any(missing.values()), f"rank {rank} read pages it did not ask for: {missing}"
-        assert not any(extra.values()), f"rank {rank} asked for pages it did not read: {extra}"
+    requested, touched = requested_pages(spans_dir), touched_pages(trace, log)
+    server_loads.assert_exact(requested, touched, model, ranks, log)
 
 
 def test_tp2_dense_requests_exactly_what_each_rank_reads_and_loads_it_warm(
@@ -197,10 +131,7 @@ def test_tp2_dense_requests_exactly_what_each_rank_reads_and_loads_it_warm(
     assert requested_pages(tmp_path / "warm") == requested
     # The request went out before the worker built its model: the daemon warms meanwhile.
     assert log.index("spanwarm: rank 0 reads") < log.index("Initializing model took"), log
-    read_by_ranks = touched_pages(trace, log)
-    assert sorted(read_by_ranks) == [0, 1], log[-3000:]
-    for rank, pages in read_by_ranks.items():
-        assert without_headers(pages, model) == {}, f"rank {rank} read cold: {pages}"
+    assert_read_warm(touched_pages(trace, log), model, ranks=2, log=log)
 
 
 def test_fp8_tp2_requests_exactly_what_each_rank_reads(

@@ -8,8 +8,7 @@ imports and registers nothing.
 
 from __future__ import annotations
 
-import logging
-import os
+from spanwarm.integrations import server_plugin
 
 __all__ = ["SWITCH", "enabled", "register"]
 
@@ -17,18 +16,9 @@ SWITCH = "SPANWARM_SGLANG"
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return server_plugin.flag(SWITCH, default=False)
 
 
 def register() -> None:
     """SGLang's plugin entry point: hook the default loader where ``SPANWARM_SGLANG`` is on."""
-    if not enabled():
-        return
-    try:
-        from spanwarm.integrations.sglang.plugin import install
-
-        install()
-    except Exception as exc:  # an SGLang we do not know: load without spanwarm
-        logging.getLogger("sglang.spanwarm").warning(
-            "spanwarm: not hooked into SGLang (%s); loads run without prefetch", exc
-        )
+    server_plugin.register(SWITCH, f"{__name__}.plugin", "sglang.spanwarm", "SGLang")

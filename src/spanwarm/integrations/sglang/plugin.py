@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import os
 import threading
@@ -41,7 +40,6 @@ from typing import Any
 
 import torch
 
-from spanwarm.client.client import disabled_by_environment
 from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.meta_dry_run import (
     DryRun,
@@ -53,6 +51,7 @@ from spanwarm.integrations.meta_dry_run import (
     meta_weights,
     swapped,
 )
+from spanwarm.integrations.server_load import RankLoad, Server
 
 __all__ = ["install", "loader_dry_run"]
 
@@ -74,118 +73,59 @@ class _Uncached(dict[Any, Any]):
 
 
 _WARMED_FORMATS = ("auto", "safetensors")
-_WAIT_TIMEOUT_S = 300.0
-SPANS_DIR = "SPANWARM_SGLANG_SPANS_DIR"  # each rank's request, as JSON: rank-<R>.json
-READ_YOURSELF = "SPANWARM_SGLANG_READ_YOURSELF"  # 0: always wait for the daemon
 DRY_RUN_S = "SPANWARM_SGLANG_DRY_RUN_S"
-_installed = False
-_install_lock = threading.Lock()
-_said: set[str] = set()  # log lines said once per process
+
+
+def _job() -> str:
+    """One job per SGLang instance: its schedulers (the ranks) share the parent that
+    started them (the engine, or its data-parallel controller)."""
+    return f"sglang-{os.getppid()}"
+
+
+# SPANWARM_SGLANG_SPANS_DIR: each rank's request, as JSON (rank-<R>.json);
+# SPANWARM_SGLANG_READ_YOURSELF=0: always wait for the daemon
+_SERVER = Server("SPANWARM_SGLANG", logger, _job)
 
 
 def install() -> None:
     """Register the hooks (once per process); SGLang's ``load_plugins`` applies them."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-        for target, hook in (
-            (f"{_LOADER}.DefaultModelLoader.load_model", _around_load_model),
-            (
-                f"{_LOADER}.DefaultModelLoader.load_weights_and_postprocess",
-                _around_load_weights,
-            ),
-            (f"{_UTILS}.buffered_multi_thread_safetensors_weights_iterator", _around_iterator),
-            (f"{_UTILS}.safetensors_weights_iterator", _around_iterator),
-            (f"{_LOADER}.get_model_loader", _around_get_model_loader),
-        ):
-            HookRegistry.register(target, hook, HookType.AROUND)
-        _installed = True
-    logger.info("spanwarm: warming each rank's exact reads of safetensors checkpoints")
+    _SERVER.install(_register_hooks)
 
 
-class _Load:
+def _register_hooks() -> None:
+    """Register the hooks; SGLang's ``load_plugins`` applies them."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in (
+        (f"{_LOADER}.DefaultModelLoader.load_model", _around_load_model),
+        (
+            f"{_LOADER}.DefaultModelLoader.load_weights_and_postprocess",
+            _around_load_weights,
+        ),
+        (f"{_UTILS}.buffered_multi_thread_safetensors_weights_iterator", _around_iterator),
+        (f"{_UTILS}.safetensors_weights_iterator", _around_iterator),
+        (f"{_LOADER}.get_model_loader", _around_get_model_loader),
+    ):
+        HookRegistry.register(target, hook, HookType.AROUND)
+
+
+class _Load(RankLoad):
     """One load of a rank's model by ``DefaultModelLoader.load_model`` and its request."""
 
     def __init__(self, loader: Any, model_config: Any, target_device: Any) -> None:
+        super().__init__(_SERVER)
         self.loader, self.model_config, self.target_device = loader, model_config, target_device
-        self.gate: GatedReads | None = None
-        self.plan: DryRun | None = None
-        self.loading = False  # load_weights_and_postprocess is running for this load
-        self._ended = False
-        self._client: Any = None
-
-    def daemon_present(self) -> bool:
-        """Whether the daemon's socket is there at all (a request to none is released)."""
-        return self._client is not None and os.path.exists(self._client.socket)
 
     def start(self) -> None:
         """Before the model is built: the dry run on its meta twin, and the request."""
-        if _nothing_to_ask():
+        if _SERVER.nothing_to_ask():
             return
         try:
             plan = loader_dry_run(self.loader, self.model_config, self.target_device)
         except Exception as exc:
-            logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
+            _SERVER.loading_cold(exc)
             return
-        self.plan = plan
-        if not plan.exact:
-            logger.warning(
-                "spanwarm: the dry run cannot tell this rank's reads (%s); warming the "
-                "tensors it is handed, whole",
-                plan.reason,
-            )
-        try:
-            self.gate = self._request(plan)
-        except Exception as exc:
-            logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
-            self.gate = None
-
-    def _request(self, plan: DryRun) -> GatedReads | None:
-        from spanwarm.client import Client
-
-        try:
-            _write_spans(plan)
-        except OSError as exc:  # a record of the request, not the request
-            logger.warning("spanwarm: cannot write this rank's request to %s: %s", SPANS_DIR, exc)
-        logger.info(
-            "spanwarm: rank %d reads %d tensors, %.1f MiB in %d spans (%s, %.2f s)",
-            _global_rank(),
-            len({s.tensor for s in plan.spans}),
-            sum(s.length * s.count for s in plan.spans) / 2**20,
-            len(plan.spans),
-            "dry run" if plan.exact else "whole tensors",
-            plan.seconds,
-        )
-        if not plan.spans or disabled_by_environment():
-            return None
-        self._client = Client(read_yourself=_read_yourself())
-        ticket = self._client.request(plan.spans, job=_job(), rank=_global_rank())
-        return GatedReads(plan.spans, ticket, _WAIT_TIMEOUT_S)
-
-    def end(self) -> None:
-        """The load is over: the request ends (the daemon drops warming only it needed)."""
-        if self._ended:
-            return
-        self._ended = True
-        gate = self.gate
-        try:
-            if gate is not None:
-                gate.ticket.cancel()
-                if gate.waited_s or gate.read_yourself:
-                    logger.info(
-                        "spanwarm: waited %.2f s for warm tensors; read %d tensors itself",
-                        gate.waited_s,
-                        gate.read_yourself,
-                    )
-        except Exception as exc:
-            logger.warning("spanwarm: ending the request: %s", exc)
-        finally:
-            if self._client is not None:
-                with contextlib.suppress(Exception):  # the load's own outcome stands
-                    self._client.close()
+        self.begin(plan)
 
 
 class _Current(threading.local):
@@ -202,12 +142,12 @@ def _around_load_model(original: Callable[..., Any], self: Any, *args: Any, **kw
     except Exception as exc:
         why_not = f"its load settings are unknown to spanwarm ({exc})"
     if why_not is not None:
-        _say_once(why_not)
+        _SERVER.say_once(why_not)
         return original(self, *args, **kw)
     try:
         load = _Load(self, kw["model_config"], torch.device(kw["device_config"].device))
     except Exception as exc:
-        logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
+        _SERVER.loading_cold(exc)
         return original(self, *args, **kw)
     previous, _current.load = _current.load, load
     try:
@@ -224,7 +164,7 @@ def _around_load_weights(
     """The weights' load (a staticmethod: no self): at its end the request ends."""
     load = _current.load
     if load is None:
-        _say_once(
+        _SERVER.say_once(
             "weights loaded outside DefaultModelLoader.load_model (startup overlap, an "
             "update of the weights): spanwarm warms nothing"
         )
@@ -299,7 +239,7 @@ def _around_get_model_loader(original: Callable[..., Any], *args: Any, **kwargs:
 
         if type(loader) is not DefaultModelLoader:
             fmt = _format(loader.load_config)
-            _say_once(
+            _SERVER.say_once(
                 f"load format {fmt!r} ({type(loader).__name__}) reads through its own "
                 "reader: spanwarm warms nothing"
             )
@@ -374,51 +314,3 @@ def loader_dry_run(
         return dry_run(load, weights, budget_s=budget)
     finally:
         loader.counter_before_loading_weights = clock
-
-
-def _write_spans(plan: DryRun) -> None:
-    """Where ``SPANWARM_SGLANG_SPANS_DIR`` names a directory, this rank's request goes to
-    ``rank-<R>.json`` there: what it reads, as the dry run found it."""
-    directory = os.environ.get(SPANS_DIR)
-    if not directory:
-        return
-    rank = _global_rank()
-    record = {
-        "rank": rank,
-        "exact": plan.exact,
-        "reason": plan.reason,
-        "dry_run_s": plan.seconds,
-        "handed_out": [item.name for item in plan.handed_out],
-        "spans": [[s.tensor, s.path, s.offset, s.length, s.stride, s.count] for s in plan.spans],
-    }
-    path = os.path.join(directory, f"rank-{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
-
-
-def _read_yourself() -> bool:
-    return os.environ.get(READ_YOURSELF, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _nothing_to_ask() -> bool:
-    """SPANWARM_DISABLE, and no record of the request to write: no dry run is needed."""
-    return disabled_by_environment() and not os.environ.get(SPANS_DIR)
-
-
-def _say_once(line: str) -> None:
-    if line not in _said:
-        _said.add(line)
-        logger.info("spanwarm: %s", line)
-
-
-def _job() -> str:
-    """One job per SGLang instance: its schedulers (the ranks) share the parent that
-    started them (the engine, or its data-parallel controller)."""
-    return f"sglang-{os.getppid()}"
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0

@@ -7,8 +7,7 @@ point; without the switch it imports and installs nothing.
 
 from __future__ import annotations
 
-import logging
-import os
+from spanwarm.integrations import server_plugin
 
 __all__ = ["SWITCH", "enabled", "register"]
 
@@ -16,18 +15,9 @@ SWITCH = "SPANWARM_VLLM"
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return server_plugin.flag(SWITCH, default=False)
 
 
 def register() -> None:
     """vLLM's plugin entry point: hook the default loader where ``SPANWARM_VLLM`` is on."""
-    if not enabled():
-        return
-    try:
-        from spanwarm.integrations.vllm.plugin import install
-
-        install()
-    except Exception as exc:  # a vLLM we do not know: load without spanwarm
-        logging.getLogger("vllm.spanwarm").warning(
-            "spanwarm: not hooked into vLLM (%s); loads run without prefetch", exc
-        )
+    server_plugin.register(SWITCH, f"{__name__}.plugin", "vllm.spanwarm", "vLLM")

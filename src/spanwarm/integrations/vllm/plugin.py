@@ -26,9 +26,7 @@ any error is one warning, and the load goes on cold.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
 import os
 import threading
@@ -37,75 +35,71 @@ from typing import Any
 
 import torch
 
-from spanwarm.client.client import disabled_by_environment
 from spanwarm.integrations.gate import GatedReads
+from spanwarm.integrations.server_load import RankLoad, Server
 from spanwarm.integrations.vllm.dry_run import DryRun, in_dry_run, loader_dry_run, meta_weights
 
 __all__ = ["install"]
 
 logger = logging.getLogger("vllm.spanwarm")  # vLLM's handler and format
 
-_WAIT_TIMEOUT_S = 300.0
-SPANS_DIR = "SPANWARM_VLLM_SPANS_DIR"  # each rank's request, as JSON: rank-<R>.json
-READ_YOURSELF = "SPANWARM_VLLM_READ_YOURSELF"  # 0: always wait for the daemon
 _LAZY = (None, "lazy")  # the strategies whose reads are the weight loaders' copies
-_installed = False
-_install_lock = threading.Lock()
-_said: set[str] = set()  # log lines said once per process
+
+
+def _job() -> str:
+    """One job per vLLM instance: its workers are the job's ranks."""
+    from vllm.config import get_current_vllm_config
+
+    instance = getattr(get_current_vllm_config(), "instance_id", "") or str(os.getppid())
+    return f"vllm-{instance}"
+
+
+# SPANWARM_VLLM_SPANS_DIR: each rank's request, as JSON (rank-<R>.json);
+# SPANWARM_VLLM_READ_YOURSELF=0: always wait for the daemon
+_SERVER = Server("SPANWARM_VLLM", logger, _job)
 
 
 def install() -> None:
     """Wrap vLLM's default loader (once per process)."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from vllm.model_executor.model_loader import default_loader
-        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-        from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
-        from vllm.model_executor.model_loader.weight_utils import _natural_sort_key
-
-        loader_class = default_loader.DefaultModelLoader
-        iterator = default_loader.safetensors_weights_iterator
-        for needed in ("get_all_weights", "load_weights", "load_model"):
-            if not callable(getattr(loader_class, needed, None)):
-                raise RuntimeError(f"DefaultModelLoader.{needed} is missing")
-        default_loader.safetensors_weights_iterator = _gated_iterator(
-            iterator, _natural_sort_key, should_skip_weight
-        )
-        loader_class.load_weights = _load_weights(loader_class.load_weights)
-        loader_class.load_model = _load_model(loader_class.load_model)
-        BaseModelLoader.__init__ = _say_what_other_loaders_get(
-            BaseModelLoader.__init__, loader_class
-        )
-        _installed = True
-    logger.info("spanwarm: warming each rank's exact reads of safetensors checkpoints")
+    _SERVER.install(_wrap_default_loader)
 
 
-class _Load:
+def _wrap_default_loader() -> None:
+    """Wrap vLLM's default loader."""
+    from vllm.model_executor.model_loader import default_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+    from vllm.model_executor.model_loader.weight_utils import _natural_sort_key
+
+    loader_class = default_loader.DefaultModelLoader
+    iterator = default_loader.safetensors_weights_iterator
+    for needed in ("get_all_weights", "load_weights", "load_model"):
+        if not callable(getattr(loader_class, needed, None)):
+            raise RuntimeError(f"DefaultModelLoader.{needed} is missing")
+    default_loader.safetensors_weights_iterator = _gated_iterator(
+        iterator, _natural_sort_key, should_skip_weight
+    )
+    loader_class.load_weights = _load_weights(loader_class.load_weights)
+    loader_class.load_model = _load_model(loader_class.load_model)
+    BaseModelLoader.__init__ = _say_what_other_loaders_get(BaseModelLoader.__init__, loader_class)
+
+
+class _Load(RankLoad):
     """One load of a worker's model by the default loader and its request: made before
     the model is built (:meth:`start_early`), where the checkpoint is a local directory
     of safetensors files, so that the daemon warms while the model is built; else on the
     first tensor handed out (:meth:`start`)."""
 
     def __init__(self, loader: Any, model_config: Any, vllm_config: Any = None) -> None:
+        super().__init__(_SERVER)
         self.loader, self.model_config, self.vllm_config = loader, model_config, vllm_config
         self.model: Any = None  # the model being loaded, once built
-        self.gate: GatedReads | None = None
-        self.plan: DryRun | None = None
         self.upcoming: Iterator[str] = iter(())  # the names handed out next, in order
-        self.loading = False  # load_weights is running for this load
         self._started = False
-        self._ended = False
-        self._client: Any = None
 
     @property
     def started(self) -> bool:
         return self._started
-
-    def daemon_present(self) -> bool:
-        """Whether the daemon's socket is there at all (a request to none is released)."""
-        return self._client is not None and os.path.exists(self._client.socket)
 
     def start_early(self) -> None:
         """Before the model is built: the dry run on its meta twin alone, and the request.
@@ -115,7 +109,7 @@ class _Load:
         try:
             if not _local_safetensors(self.model_config):
                 return
-            if _nothing_to_ask():
+            if _SERVER.nothing_to_ask():
                 self._started = True
                 return
             plan = loader_dry_run(self.loader, self.model_config, self.vllm_config)
@@ -123,7 +117,7 @@ class _Load:
             logger.debug("spanwarm: no dry run before the model is built (%s)", exc)
             return
         self._started = True
-        self._begin(plan)
+        self.begin(plan)
 
     def start(self) -> GatedReads | None:
         """On the first tensor: the dry run and the request, unless made before the
@@ -131,14 +125,14 @@ class _Load:
         if self._started:
             return self.gate
         self._started = True
-        if _nothing_to_ask():
+        if _SERVER.nothing_to_ask():
             return None
         try:
             plan = self._dry_run()
         except Exception as exc:
-            logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
+            _SERVER.loading_cold(exc)
             return None
-        self._begin(plan)
+        self.begin(plan)
         return self.gate
 
     def _dry_run(self) -> DryRun:
@@ -147,64 +141,10 @@ class _Load:
         config = self.vllm_config or get_current_vllm_config()
         return loader_dry_run(self.loader, self.model_config, config, self.model)
 
-    def _begin(self, plan: DryRun) -> None:
-        self.plan = plan
-        if not plan.exact:
-            logger.warning(
-                "spanwarm: the dry run cannot tell this rank's reads (%s); warming the "
-                "tensors it is handed, whole",
-                plan.reason,
-            )
-        try:
-            self.gate = self._request(plan)
-        except Exception as exc:
-            logger.warning("spanwarm: no prefetch for this load (%s); loading cold", exc)
-            self.gate = None
-
-    def _request(self, plan: DryRun) -> GatedReads | None:
-        from spanwarm.client import Client
-
-        try:
-            _write_spans(plan)
-        except OSError as exc:  # a record of the request, not the request
-            logger.warning("spanwarm: cannot write this rank's request to %s: %s", SPANS_DIR, exc)
-        logger.info(
-            "spanwarm: rank %d reads %d tensors, %.1f MiB in %d spans (%s, %.2f s)",
-            _global_rank(),
-            len({s.tensor for s in plan.spans}),
-            sum(s.length * s.count for s in plan.spans) / 2**20,
-            len(plan.spans),
-            "dry run" if plan.exact else "whole tensors",
-            plan.seconds,
-        )
-        if not plan.spans or disabled_by_environment():
-            return None
-        self._client = Client(read_yourself=_read_yourself())
-        ticket = self._client.request(plan.spans, job=_job(), rank=_global_rank())
-        self.upcoming = iter([item.name for item in plan.handed_out])
-        return GatedReads(plan.spans, ticket, _WAIT_TIMEOUT_S)
-
-    def end(self) -> None:
-        """The load is over: the request ends (the daemon drops warming only it needed)."""
-        if self._ended:
-            return
-        self._ended = True
-        gate = self.gate
-        try:
-            if gate is not None:
-                gate.ticket.cancel()
-                if gate.waited_s or gate.read_yourself:
-                    logger.info(
-                        "spanwarm: waited %.2f s for warm tensors; read %d tensors itself",
-                        gate.waited_s,
-                        gate.read_yourself,
-                    )
-        except Exception as exc:
-            logger.warning("spanwarm: ending the request: %s", exc)
-        finally:
-            if self._client is not None:
-                with contextlib.suppress(Exception):  # the load's own outcome stands
-                    self._client.close()
+    def begin(self, plan: DryRun) -> None:
+        super().begin(plan)
+        if self.gate is not None:  # the iterator waits for these, in this order
+            self.upcoming = iter([item.name for item in plan.handed_out])
 
 
 def _local_safetensors(model_config: Any) -> bool:
@@ -252,7 +192,7 @@ def _load_weights(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_weights(self: Any, model: Any, model_config: Any) -> Any:
         why_not = _why_not(self.load_config)
         if why_not is not None:
-            _say_once(why_not)
+            _SERVER.say_once(why_not)
             return original(self, model, model_config)
         load = _current.load
         if load is None or load.loader is not self or load.loading or load.model is not None:
@@ -266,7 +206,7 @@ def _load_weights(original: Callable[..., Any]) -> Callable[..., Any]:
             load.loading = False
             load.end()
             if not load.started:
-                _say_once("no safetensors files in this load: spanwarm warms nothing")
+                _SERVER.say_once("no safetensors files in this load: spanwarm warms nothing")
 
     return load_weights
 
@@ -353,61 +293,9 @@ def _say_what_other_loaders_get(
         original(self, load_config, *args, **kwargs)
         if not isinstance(self, default_class):
             fmt = getattr(load_config, "load_format", "?")
-            _say_once(
+            _SERVER.say_once(
                 f"load format {fmt!r} ({type(self).__name__}) reads through its own "
                 "reader: spanwarm warms nothing"
             )
 
     return __init__
-
-
-def _write_spans(plan: DryRun) -> None:
-    """Where ``SPANWARM_VLLM_SPANS_DIR`` names a directory, this rank's request goes to
-    ``rank-<R>.json`` there: what it reads, as the dry run found it."""
-    directory = os.environ.get(SPANS_DIR)
-    if not directory:
-        return
-    rank = _global_rank()
-    record = {
-        "rank": rank,
-        "exact": plan.exact,
-        "reason": plan.reason,
-        "dry_run_s": plan.seconds,
-        "handed_out": [item.name for item in plan.handed_out],
-        "spans": [[s.tensor, s.path, s.offset, s.length, s.stride, s.count] for s in plan.spans],
-    }
-    path = os.path.join(directory, f"rank-{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
-
-
-def _read_yourself() -> bool:
-    return os.environ.get(READ_YOURSELF, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _nothing_to_ask() -> bool:
-    """SPANWARM_DISABLE, and no record of the request to write: no dry run is needed."""
-    return disabled_by_environment() and not os.environ.get(SPANS_DIR)
-
-
-def _say_once(line: str) -> None:
-    if line not in _said:
-        _said.add(line)
-        logger.info("spanwarm: %s", line)
-
-
-def _job() -> str:
-    """One job per vLLM instance: its workers are the job's ranks."""
-    from vllm.config import get_current_vllm_config
-
-    instance = getattr(get_current_vllm_config(), "instance_id", "") or str(os.getppid())
-    return f"vllm-{instance}"
-
-
-def _global_rank() -> int:
-    """The worker's rank in its torch world: vLLM offsets it by the data-parallel rank
-    already, where replicas share one world."""
-    import torch.distributed as dist
-
-    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0

@@ -30,7 +30,7 @@ if str(HERE.parent) not in sys.path:  # run as a script: bench/ is on the path, 
 
 from bench import bench_end_to_end as e2e  # noqa: E402
 from bench import bench_transformers_load as tf  # noqa: E402
-from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
+from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 
 
 def main() -> None:

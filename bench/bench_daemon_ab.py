@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ is on the path, its par
     sys.path.insert(0, str(ROOT))
 
 from bench import bench_end_to_end as e2e  # noqa: E402
-from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
+from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:

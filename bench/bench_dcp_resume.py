@@ -52,7 +52,7 @@ from bench.bench_end_to_end import (  # noqa: E402
     run_local_ranks,
     settle,
 )
-from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
+from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 from spanwarm.units import format_bytes  # noqa: E402
 
 SAVE_WORLD, WORLD, LOCAL_WORLD = 4, 2, 2  # the saving job; the resuming job, node 0's

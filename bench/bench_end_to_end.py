@@ -61,7 +61,6 @@ import numpy as np
 
 from spanwarm.client import Client
 from spanwarm.costmodel import DEFAULT_SEEK_COST
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.daemon.throughput import mount_name
 from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
 from spanwarm.planner import plan_node_spans
@@ -70,6 +69,7 @@ from spanwarm.residency import PAGE, cached_pages, evict, file_residency
 from spanwarm.safetensors_header import open_checkpoint
 from spanwarm.sample_checkpoint import write_sharded_checkpoint
 from spanwarm.tensor_layout import TensorSpans
+from spanwarm.testing.spawn import spawn_daemon
 from spanwarm.units import format_bytes, parse_size
 
 HERE = Path(__file__).resolve().parent
@@ -207,7 +207,7 @@ def mounted(source: Path, preset: str) -> Iterator[tuple[Path, Any]]:
         return
     if str(ROOT) not in sys.path:  # run as a script, bench/ is on the path but its parent is not
         sys.path.insert(0, str(ROOT))
-    from bench.slowfs import fuse_available, mount
+    from spanwarm.testing.slowfs import fuse_available, mount
 
     reason = fuse_available()
     if reason is not None:

@@ -3,7 +3,7 @@
     sudo .venv/bin/python bench/bench_fairness.py [--runs 5] [--markdown PATH]
 
 A root daemon (8 workers, ``--socket-group``) serves two unprivileged users (created
-here with useradd) over an emulated network mount (bench/slowfs: 20 ms per seek,
+here with useradd) over an emulated network mount (src/spanwarm/testing/slowfs: 20 ms per seek,
 8 MiB/s per stream, 64 MiB/s for the whole mount, so more streams mean more throughput
 up to the mount's limit; slow enough that the storage, not the 2 CPUs serving the FUSE
 mount, is what the users share). The *victim* warms a 64 MiB file; the *flooder*
@@ -36,9 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.slowfs import fuse_available, mount  # noqa: E402
-from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
 from spanwarm.residency import evict  # noqa: E402
+from spanwarm.testing.slowfs import fuse_available, mount  # noqa: E402
+from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 GROUP, VICTIM, FLOODER = "swbench", "swb-victim", "swb-flood"

@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+from spanwarm.testing.spawn import spawn_daemon
 
 MiB = 2**20
 CELL = 8 * MiB

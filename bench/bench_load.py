@@ -59,9 +59,9 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.memory_map import mapped, mincore
 from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.testing.spawn import spawn_daemon
 from spanwarm.units import format_bytes, parse_size
 
 HERE = Path(__file__).resolve().parent

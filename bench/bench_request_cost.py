@@ -85,7 +85,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from bench.bench_end_to_end import build_checkpoint
-    from spanwarm.daemon.spawn import spawn_daemon
+    from spanwarm.testing.spawn import spawn_daemon
 
     build_checkpoint(args.data / f"moe-{args.layout}", args.layout)
     trees = {"this tree": None, **({"base": args.base_src} if args.base_src else {})}

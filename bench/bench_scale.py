@@ -25,9 +25,9 @@ import numpy as np
 
 from spanwarm.client import Client
 from spanwarm.costmodel import DEFAULT_SEEK_COST, plan_file
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from spanwarm.spans import SpanTable
+from spanwarm.testing.spawn import spawn_daemon
 
 SIZE = 64 * 2**30
 SPAN = 4096

@@ -34,9 +34,9 @@ if str(ROOT) not in sys.path:  # run as a script, bench/ is on the path but its 
 from bench.bench_end_to_end import mounted  # noqa: E402
 from spanwarm.calibrate import calibrate  # noqa: E402
 from spanwarm.client import Client  # noqa: E402
-from spanwarm.daemon.spawn import spawn_daemon  # noqa: E402
 from spanwarm.residency import evict  # noqa: E402
 from spanwarm.tensor_layout import TensorSpans  # noqa: E402
+from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 from spanwarm.units import format_bytes, parse_size  # noqa: E402
 
 MiB = 2**20

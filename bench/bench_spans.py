@@ -58,7 +58,7 @@ def mounted(source: Path, preset: str) -> Iterator[Path | None]:
         return
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from bench.slowfs import fuse_available, mount
+    from spanwarm.testing.slowfs import fuse_available, mount
 
     reason = fuse_available()
     if reason is not None:

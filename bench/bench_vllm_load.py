@@ -5,7 +5,7 @@
 Runs in the vLLM environment with the peer loaders (``make bench-vllm`` installs them into
 ``.venv-vllm`` and runs this with its defaults). A random dense Llama of
 about 0.4 GB in 4 safetensors shards (written once under ``--work``) is served by the
-emulated mount (``bench.slowfs``: ``local`` passes reads straight through, ``cross-region``
+emulated mount (``slowfs``: ``local`` passes reads straight through, ``cross-region``
 adds the seed's 50 ms a seek and 0.24 GiB/s a stream), mounted once per mount kind and
 evicted from the page cache before every run (checked with mincore). Each run is one
 ``vllm.LLM(...)`` start on CPU, TP2, then 8 tokens generated. Before the measured runs,
@@ -51,9 +51,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import span_pages
-from bench.slowfs import fuse_available, mount
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.residency import evict, file_residency
+from spanwarm.testing.slowfs import fuse_available, mount
+from spanwarm.testing.spawn import spawn_daemon
 
 SERVE = Path(__file__).with_name("vllm_serve.py")
 TIMING_PLUGIN = Path(__file__).with_name("vllm_timing")

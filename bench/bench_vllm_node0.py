@@ -43,11 +43,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_vllm_load import write_model
-from bench.slowfs import fuse_available, mount
 from bench.span_pages import touched_bytes
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.residency import evict, file_residency
 from spanwarm.tensor_layout import TensorSpans
+from spanwarm.testing.slowfs import fuse_available, mount
+from spanwarm.testing.spawn import spawn_daemon
 
 ARMS = ("default", "prefetch", "spanwarm")
 PREFETCH_THREADS = 8  # vLLM's DEFAULT_SAFETENSORS_PREFETCH_NUM_THREADS

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from spanwarm.client import Client
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.residency import evict
 from spanwarm.sample_checkpoint import write_sharded_checkpoint
+from spanwarm.testing.spawn import spawn_daemon
 from spanwarm.units import format_bytes
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 1024, 2816, 8, 32000

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.daemon.spawn import spawn_daemon
+from spanwarm.testing.spawn import spawn_daemon
 
 MiB = 2**20
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spanwarm.daemon.spawn import spawn_daemon
 from spanwarm.memory_map import map_range, unmap
 from spanwarm.residency import evict
+from spanwarm.testing.spawn import spawn_daemon
 
 __all__ = ["cold_file", "fuse_file", "pinned", "running_daemon"]
 
@@ -37,10 +37,10 @@ def cold_file(path: Path, size: int, *, seed: int = 0) -> Path:
 
 @contextlib.contextmanager
 def fuse_file(tmp_path: Path, name: str, size: int, **knobs: Any) -> Iterator[tuple[Any, Path]]:
-    """A file of ``size`` random bytes on an emulated FUSE mount (``bench.slowfs``; ``knobs``
+    """A file of ``size`` random bytes on an emulated FUSE mount (``slowfs``; ``knobs``
     override its preset's): the mount and the file's path there. Skips the test where FUSE
     is not available."""
-    from bench.slowfs import fuse_available, mount
+    from spanwarm.testing.slowfs import fuse_available, mount
 
     if (reason := fuse_available()) is not None:
         pytest.skip(reason)

@@ -3,7 +3,7 @@ by a FUSE mount that traces each read, a load run with the server's plugin switc
 and the checks that each rank's request names exactly the pages it read.
 
 What each rank really reads is recorded independently of spanwarm: the mount
-(``bench.slowfs``) has the kernel's read-ahead off, so every page a rank's weight loaders
+(``spanwarm.testing.slowfs``) has the kernel's read-ahead off, so every page a rank's weight loaders
 fault in is one read request of that rank's process, in the mount's trace. The plugin
 writes each rank's request to ``<spans dir>/rank-<R>.json``.
 
@@ -48,7 +48,7 @@ Pages = dict[int, dict[str, set[int]]]
 @pytest.fixture
 def traced(tmp_path: Path) -> Iterator[Any]:
     """Mount a model on FUSE with read-ahead off: ``traced(model) -> (mount, trace)``."""
-    from bench.slowfs import fuse_available, mount
+    from spanwarm.testing.slowfs import fuse_available, mount
 
     if (reason := fuse_available()) is not None:
         pytest.skip(reason)

@@ -58,7 +58,7 @@ def load_everything() -> None:
     import uvloop  # noqa: F401
 
     import spanwarm.daemon.logs
-    import spanwarm.daemon.spawn  # noqa: F401
+    import spanwarm.testing.spawn  # noqa: F401
 
     grpc.insecure_channel("unix:/nonexistent").close()  # grpc loads its channel code here
     np.unique(np.isin(np.arange(2), [1]))  # numpy loads numpy.ma here (Client._prove)

@@ -1,6 +1,6 @@
 """Faults a real daemon must survive: storage that fails or hangs, and a daemon that freezes.
 
-The storage is bench.slowfs (a real FUSE file system) with its fault and hang knobs; the
+The storage is spanwarm.testing.slowfs (a real FUSE file system) with its fault and hang knobs; the
 daemon is a real child process. These run in CI (make test installs fuse3 as root).
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.slowfs import Fault, Hang, SlowFS, fuse_available, mount
 from spanwarm.client import Client, TensorSpans
 from spanwarm.residency import evict, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+from spanwarm.testing.slowfs import Fault, Hang, SlowFS, fuse_available, mount
 from tests.daemon_harness import cold_file, running_daemon
 
 MiB = 2**20

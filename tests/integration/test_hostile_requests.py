@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spanwarm.daemon.spawn import ChildDaemon
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
+from spanwarm.testing.spawn import ChildDaemon
 from tests.daemon_harness import cold_file, running_daemon
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40

@@ -64,7 +64,7 @@ def test_write_seek_cost_keeps_the_rest(tmp_path: Path) -> None:
 
 def test_calibrate_recovers_the_emulated_mounts_seek_cost(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.slowfs import fuse_available, mount
+    from spanwarm.testing.slowfs import fuse_available, mount
 
     if (reason := fuse_available()) is not None:
         pytest.skip(reason)

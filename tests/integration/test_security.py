@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from bench.slowfs import Hang, fuse_available, mount
 from spanwarm.client import Client, TensorSpans
 from spanwarm.daemon.front_door import inner_socket_path
 from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.testing.slowfs import Hang, fuse_available, mount
 from tests.daemon_harness import running_daemon
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -170,7 +170,7 @@ def test_a_checkpoint_of_small_files_is_probed_across_them(tmp_path: Path) -> No
 
 def test_a_slow_mount_is_priced_at_its_latency_times_its_rate(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.slowfs import fuse_available, mount
+    from spanwarm.testing.slowfs import fuse_available, mount
 
     if (reason := fuse_available()) is not None:
         pytest.skip(reason)
@@ -215,7 +215,7 @@ def test_probes_stuck_in_hung_storage_are_given_up_and_their_user_gets_no_more(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.slowfs import Hang, fuse_available, mount
+    from spanwarm.testing.slowfs import Hang, fuse_available, mount
 
     if (reason := fuse_available()) is not None:
         pytest.skip(reason)
@@ -258,7 +258,7 @@ def test_a_failing_file_costs_neither_the_mount_its_figure_nor_others_their_prob
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.slowfs import Fault, fuse_available, mount
+    from spanwarm.testing.slowfs import Fault, fuse_available, mount
 
     if (reason := fuse_available()) is not None:
         pytest.skip(reason)

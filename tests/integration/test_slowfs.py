@@ -1,4 +1,4 @@
-"""bench.slowfs, the emulated network mount: content, counters, costs, page cache, faults
+"""spanwarm.testing.slowfs, the emulated network mount: content, counters, costs, page cache, faults
 and hangs.
 
 Timing assertions are lower bounds only: a loaded machine may be slower, never faster.
@@ -23,8 +23,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.slowfs import Fault, Hang, Preset, SlowFS, fuse_available, mount
 from spanwarm.residency import evict, file_residency
+from spanwarm.testing.slowfs import Fault, Hang, Preset, SlowFS, fuse_available, mount
 
 _reason = fuse_available()
 if _reason is not None:

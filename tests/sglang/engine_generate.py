@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     import sglang
 
-    from spanwarm.daemon.spawn import spawn_daemon
+    from spanwarm.testing.spawn import spawn_daemon
     from tests.sglang.tiny_sglang_model import write_llama
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:

@@ -3,7 +3,7 @@ rank processes as a server's schedulers run it (``sglang_load.py``: SGLang's par
 state on gloo, ``load_plugins()`` finding the plugin through its installed entry point).
 
 What each rank really reads is recorded independently of spanwarm: the checkpoint is
-served by a FUSE mount (``bench.slowfs``) with the kernel's read-ahead off, so every page
+served by a FUSE mount (``spanwarm.testing.slowfs``) with the kernel's read-ahead off, so every page
 a rank's weight loaders fault in is one read request of that rank's process, in the
 mount's trace. The ranks load one after another, each from a cold page cache. The
 plugin's request of each rank (``SPANWARM_SGLANG_SPANS_DIR``) must name exactly those

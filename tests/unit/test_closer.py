@@ -1,5 +1,5 @@
 """The closer's lanes, with closes that really block: files on a FUSE mount whose server
-never answers their FLUSH (``bench.slowfs`` with ``hang_flush``) until it is unmounted."""
+never answers their FLUSH (``slowfs`` with ``hang_flush``) until it is unmounted."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.slowfs import SlowFS, fuse_available, mount
 from spanwarm.daemon.closer import Closer
+from spanwarm.testing.slowfs import SlowFS, fuse_available, mount
 
 pytestmark = pytest.mark.skipif(
     fuse_available() is not None, reason=f"needs the emulated mount: {fuse_available()}"

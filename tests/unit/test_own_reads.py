@@ -232,7 +232,7 @@ def test_a_long_tensor_on_a_small_window_is_read_in_order(tmp_path: Path) -> Non
 
 def _seeks(requests: list[tuple[int, int]]) -> int:
     """Requests of one descriptor that do not continue its stream (as the mount counts)."""
-    from bench.slowfs import STREAM_TOLERANCE
+    from spanwarm.testing.slowfs import STREAM_TOLERANCE
 
     seeks, end = 0, None
     for offset, size in requests:

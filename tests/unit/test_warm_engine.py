@@ -433,7 +433,7 @@ def test_an_operation_maps_its_range_once_and_leaves_nothing_behind(tmp_path: Pa
     stalls every other worker's populate; an operation maps its range once, streams it
     as one, and unmaps it and sets the descriptor back to FADV_RANDOM at its end, also
     when a piece fails (narrowing the failure down then reads page by page)."""
-    from bench.slowfs import Fault
+    from spanwarm.testing.slowfs import Fault
 
     bad = 7 * MiB + 8192  # past what the first operation's read-ahead reaches
     with fuse_file(tmp_path, "f.bin", 16 * MiB, faults=[Fault("f.bin", bad, PAGE)]) as (fs, path):

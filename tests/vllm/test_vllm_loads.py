@@ -1,7 +1,7 @@
 """Real vLLM servers (``vllm.LLM`` on CPU, TP2 / EP) loading through the spanwarm plugin.
 
 What each rank really reads is recorded independently of spanwarm: the checkpoint is
-served by a FUSE mount (``bench.slowfs``) with the kernel's read-ahead off, so every page
+served by a FUSE mount (``spanwarm.testing.slowfs``) with the kernel's read-ahead off, so every page
 a rank's weight loaders fault in is one read request of that rank's process, in the
 mount's trace. The plugin's request of each rank (``SPANWARM_VLLM_SPANS_DIR``) must name
 exactly those pages: coverage 100%, over-fetch 1.00. With a real daemon, the ranks then

@@ -62,7 +62,7 @@ handle, the offset and the size. Which process of a load sends which requests, i
 order: the single-page requests a rank's hints sent for a column slice were found so,
 and what each rank of a vLLM server reads (tests/vllm).
 
-The filesystem itself runs in a child process (``python -m bench.slowfs``), so that its
+The filesystem itself runs in a child process (``python -m spanwarm.testing.slowfs``), so that its
 threads and sleeps never compete with the benchmark's own interpreter.
 """
 
@@ -209,7 +209,7 @@ class Fault:
         return offset < self.start + self.length and self.start < offset + size
 
     def to_arg(self) -> str:
-        """The ``--fault`` value of ``python -m bench.slowfs`` (inverse of :meth:`parse`)."""
+        """The ``--fault`` value of the server (inverse of :meth:`parse`)."""
         code = errno.errorcode.get(self.errno, str(self.errno))
         return f"{self.name}:{self.start}:{self.length}:{code}"
 
@@ -256,7 +256,7 @@ class Hang:
         return ends_after_start and (self.length is None or offset < self.start + self.length)
 
     def to_arg(self) -> str:
-        """The ``--hang`` value of ``python -m bench.slowfs`` (inverse of :meth:`parse`)."""
+        """The ``--hang`` value of the server (inverse of :meth:`parse`)."""
         length = "end" if self.length is None else str(self.length)
         return f"{self.name}:{self.seconds!r}:{self.start}:{length}"
 
@@ -678,7 +678,7 @@ def mount(
     cmd = [
         sys.executable,
         "-m",
-        "bench.slowfs",
+        "spanwarm.testing.slowfs",
         str(source),
         str(mountpoint),
         "--preset",

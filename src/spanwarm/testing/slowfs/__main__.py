@@ -1,6 +1,6 @@
 """Serve an emulated network mount in the foreground until it is unmounted.
 
-    python -m bench.slowfs SOURCE MOUNTPOINT --preset cross-region [--latency 0.02]
+    python -m spanwarm.testing.slowfs SOURCE MOUNTPOINT --preset cross-region [--latency 0.02]
         [--stream-bw 268435456] [--total-bw none]
         [--fault NAME:START:LENGTH[:ERRNO]]... [--hang NAME:SECONDS[:START:LENGTH]]...
 
@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from bench.slowfs import PRESETS, Fault, Hang, resolve_preset, serve
+from spanwarm.testing.slowfs import PRESETS, Fault, Hang, resolve_preset, serve
 
 _KNOBS = ("latency_s", "stream_bytes_per_s", "total_bytes_per_s")
 
@@ -48,7 +48,7 @@ def _hang(text: str) -> Hang:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.slowfs",
+        prog="python -m spanwarm.testing.slowfs",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

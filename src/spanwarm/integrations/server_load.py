@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spanwarm.client.client import disabled_by_environment
+from spanwarm.client.environment import disabled_by_environment
 from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.server_plugin import flag
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from spanwarm.client import Client, TensorSpans
 from spanwarm.client.client import message_dict
-from spanwarm.residency import evict
+from spanwarm.pagecache.residency import evict
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from spanwarm.testing.spawn import spawn_daemon
 

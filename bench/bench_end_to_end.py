@@ -59,16 +59,16 @@ from typing import Any
 
 import numpy as np
 
+from spanwarm.checkpoint.resolve import open_checkpoint
+from spanwarm.checkpoint.samples import write_sharded_checkpoint
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client import Client
-from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.daemon.throughput import mount_name
-from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
-from spanwarm.planner import plan_node_spans
-from spanwarm.read_ahead import hint_window
-from spanwarm.residency import PAGE, cached_pages, evict, file_residency
-from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.sample_checkpoint import write_sharded_checkpoint
-from spanwarm.tensor_layout import TensorSpans
+from spanwarm.pagecache.read_ahead import hint_window
+from spanwarm.pagecache.residency import PAGE, cached_pages, evict, file_residency
+from spanwarm.pagecache.warm_engine import WarmEngine, WarmMethod
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST
+from spanwarm.planning.planner import plan_node_spans
 from spanwarm.testing.spawn import spawn_daemon
 from spanwarm.units import format_bytes, parse_size
 

@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from spanwarm.daemon.config import DaemonConfig
-from spanwarm.daemon.warm_engine import populate_supported
-from spanwarm.residency import evict, file_residency
+from spanwarm.pagecache.residency import evict, file_residency
+from spanwarm.pagecache.warm_engine import populate_supported
 from spanwarm.units import format_bytes, parse_size
 
 GiB = 2**30

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from spanwarm.residency import evict  # noqa: E402
+from spanwarm.pagecache.residency import evict  # noqa: E402
 from spanwarm.testing.slowfs import fuse_available, mount  # noqa: E402
 from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 

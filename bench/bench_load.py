@@ -59,8 +59,8 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.memory_map import mapped, mincore
-from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.pagecache.memory_map import mapped, mincore
+from spanwarm.pagecache.residency import PAGE, evict, resident_bytes
 from spanwarm.testing.spawn import spawn_daemon
 from spanwarm.units import format_bytes, parse_size
 

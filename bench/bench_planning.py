@@ -19,10 +19,10 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from spanwarm import placements, tensor_layout
-from spanwarm.planner import PlacementRule, plan_node
-from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.sample_checkpoint import SparseTensor, write_sharded_checkpoint
+from spanwarm.checkpoint import placements, tensor_layout
+from spanwarm.checkpoint.resolve import open_checkpoint
+from spanwarm.checkpoint.samples import SparseTensor, write_sharded_checkpoint
+from spanwarm.planning.planner import PlacementRule, plan_node
 
 HIDDEN, INTERMEDIATE = 4096, 11008
 

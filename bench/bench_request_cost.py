@@ -37,8 +37,8 @@ def one_rank(layout: str, data: Path, socket: str) -> None:
 
     from bench import e2e_rank
     from bench.bench_end_to_end import EXPERTS, WORLD, touch_every_page
+    from spanwarm.checkpoint.resolve import open_checkpoint
     from spanwarm.client import Client, rank_spans
-    from spanwarm.safetensors_header import open_checkpoint
 
     source = data / f"moe-{layout}"
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)

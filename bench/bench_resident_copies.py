@@ -39,7 +39,7 @@ def one_run(layout: str, data: Path, mode: str) -> None:
 
     from bench import e2e_rank
     from bench.bench_end_to_end import EXPERTS, WORLD, touch_every_page
-    from spanwarm.safetensors_header import open_checkpoint
+    from spanwarm.checkpoint.resolve import open_checkpoint
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     checkpoint = open_checkpoint(data / f"moe-{layout}")

@@ -33,8 +33,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from bench import e2e_rank  # noqa: E402
 from bench.bench_end_to_end import EXPERTS, WORLD, build_checkpoint  # noqa: E402
+from spanwarm.checkpoint.resolve import open_checkpoint  # noqa: E402
 from spanwarm.client import Client  # noqa: E402
-from spanwarm.safetensors_header import open_checkpoint  # noqa: E402
 from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 
 

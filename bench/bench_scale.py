@@ -23,10 +23,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from spanwarm.checkpoint.spans import SpanTable
 from spanwarm.client import Client
-from spanwarm.costmodel import DEFAULT_SEEK_COST, plan_file
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST, plan_file
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
-from spanwarm.spans import SpanTable
 from spanwarm.testing.spawn import spawn_daemon
 
 SIZE = 64 * 2**30

@@ -32,10 +32,10 @@ if str(ROOT) not in sys.path:  # run as a script, bench/ is on the path but its 
     sys.path.insert(0, str(ROOT))
 
 from bench.bench_end_to_end import mounted  # noqa: E402
-from spanwarm.calibrate import calibrate  # noqa: E402
+from spanwarm.checkpoint.tensor_layout import TensorSpans  # noqa: E402
 from spanwarm.client import Client  # noqa: E402
-from spanwarm.residency import evict  # noqa: E402
-from spanwarm.tensor_layout import TensorSpans  # noqa: E402
+from spanwarm.pagecache.residency import evict  # noqa: E402
+from spanwarm.planning.calibrate import calibrate  # noqa: E402
 from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 from spanwarm.units import format_bytes, parse_size  # noqa: E402
 

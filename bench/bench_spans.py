@@ -3,7 +3,7 @@ against reading all of it, on local storage and on each emulated mount.
 
     .venv/bin/python bench/bench_spans.py [--mounts local,nfs-like,cross-region] [--plot PNG]
 
-Reads go through ``spanwarm.calibrate`` (the measurement behind ``spanwarm calibrate``):
+Reads go through ``spanwarm.planning.calibrate`` (the measurement behind ``spanwarm calibrate``):
 the warm engine as the daemon issues it, 8 workers, one fresh descriptor (one stream) per
 operation, ``POSIX_FADV_RANDOM``, the ``read`` method, operations of at most 8 MiB. The
 file is evicted before every measurement. For each mount: the break-even span size
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from spanwarm.calibrate import Calibration, calibrate, spans_covering
-from spanwarm.calibrate import Point as CalibrationPoint
-from spanwarm.costmodel import DEFAULT_SEEK_COST, plan_file
-from spanwarm.spans import SpanTable
+from spanwarm.checkpoint.spans import SpanTable
+from spanwarm.planning.calibrate import Calibration, calibrate, spans_covering
+from spanwarm.planning.calibrate import Point as CalibrationPoint
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST, plan_file
 from spanwarm.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

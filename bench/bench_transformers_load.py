@@ -50,9 +50,9 @@ from bench.bench_end_to_end import (  # noqa: E402
     run_limit,
     run_local_ranks,
 )
-from spanwarm.planner import plan_node_spans  # noqa: E402
-from spanwarm.safetensors_header import open_checkpoint  # noqa: E402
-from spanwarm.sample_checkpoint import write_sharded_checkpoint  # noqa: E402
+from spanwarm.checkpoint.resolve import open_checkpoint  # noqa: E402
+from spanwarm.checkpoint.samples import write_sharded_checkpoint  # noqa: E402
+from spanwarm.planning.planner import plan_node_spans  # noqa: E402
 from spanwarm.testing.spawn import spawn_daemon  # noqa: E402
 from spanwarm.units import format_bytes  # noqa: E402
 

@@ -30,11 +30,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
+from spanwarm.checkpoint.samples import SparseTensor, write_sharded_checkpoint
+from spanwarm.checkpoint.spans import SpanTable
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.integrations.transformers.whatif import rank_load_spans
-from spanwarm.safetensors_header import Checkpoint, open_checkpoint
-from spanwarm.sample_checkpoint import SparseTensor, write_sharded_checkpoint
-from spanwarm.spans import SpanTable
-from spanwarm.tensor_layout import TensorSpans
 
 EXPERT = re.compile(r"\.experts\.\d+\.|\.experts\.(gate_up|down)_proj")
 GiB = 2**30

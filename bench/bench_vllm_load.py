@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import span_pages
-from spanwarm.residency import evict, file_residency
+from spanwarm.pagecache.residency import evict, file_residency
 from spanwarm.testing.slowfs import fuse_available, mount
 from spanwarm.testing.spawn import spawn_daemon
 

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_vllm_load import write_model
 from bench.span_pages import touched_bytes
-from spanwarm.residency import evict, file_residency
-from spanwarm.tensor_layout import TensorSpans
+from spanwarm.checkpoint.tensor_layout import TensorSpans
+from spanwarm.pagecache.residency import evict, file_residency
 from spanwarm.testing.slowfs import fuse_available, mount
 from spanwarm.testing.spawn import spawn_daemon
 

@@ -44,10 +44,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from spanwarm import placements as model
+from spanwarm.checkpoint import placements as model
+from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
 from spanwarm.client import Client, Ticket, rank_spans
 from spanwarm.client.rank_spans import model_placements
-from spanwarm.safetensors_header import Checkpoint, open_checkpoint
 
 TP = 4
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head")

@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from spanwarm.daemon.config import DaemonConfig
-from spanwarm.daemon.warm_engine import WarmEngine, WarmMethod
-from spanwarm.residency import residency_trusted, resident_bytes
+from spanwarm.pagecache.residency import residency_trusted, resident_bytes
+from spanwarm.pagecache.warm_engine import WarmEngine, WarmMethod
 
 
 def cpu_seconds() -> float:

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.memory_map import mapped, mincore
-from spanwarm.residency import PAGE, resident_bytes
+from spanwarm.pagecache.memory_map import mapped, mincore
+from spanwarm.pagecache.residency import PAGE, resident_bytes
 
 KiB = 2**10
 SPANS_PER_TENSOR = 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from spanwarm.residency import PAGE
+from spanwarm.pagecache.residency import PAGE
 
 __all__ = ["pages_by_file", "touched_bytes"]
 

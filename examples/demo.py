@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from spanwarm.checkpoint.samples import write_sharded_checkpoint
 from spanwarm.client import Client
-from spanwarm.residency import evict
-from spanwarm.sample_checkpoint import write_sharded_checkpoint
+from spanwarm.pagecache.residency import evict
 from spanwarm.testing.spawn import spawn_daemon
 from spanwarm.units import format_bytes
 

@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from spanwarm.checkpoint.placements import Shard as ModelShard
+from spanwarm.checkpoint.placements import local_index_runs
+from spanwarm.checkpoint.resolve import open_checkpoint
 from spanwarm.client import Client
-from spanwarm.placements import Shard as ModelShard
-from spanwarm.placements import local_index_runs
-from spanwarm.safetensors_header import open_checkpoint
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from spanwarm.checkpoint.resolve import open_checkpoint
+from spanwarm.checkpoint.samples import SparseTensor, write_sharded_checkpoint
 from spanwarm.cli.plan import render
-from spanwarm.planner import PlacementRule, plan_node
-from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.sample_checkpoint import SparseTensor, write_sharded_checkpoint
+from spanwarm.planning.planner import PlacementRule, plan_node
 from spanwarm.units import format_bytes
 
 LAYERS, HIDDEN, EXPERTS, INTERMEDIATE, VOCAB = 8, 2048, 32, 768, 32000

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spanwarm.memory_map import map_range, unmap
-from spanwarm.residency import evict
+from spanwarm.pagecache.memory_map import map_range, unmap
+from spanwarm.pagecache.residency import evict
 from spanwarm.testing.spawn import spawn_daemon
 
 __all__ = ["cold_file", "fuse_file", "pinned", "running_daemon"]

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from bench.span_pages import pages_by_file
-from spanwarm.residency import PAGE
-from spanwarm.safetensors_header import read_header
+from spanwarm.checkpoint.safetensors_header import read_header
+from spanwarm.pagecache.residency import PAGE
 
 __all__ = [
     "UNSET",

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from spanwarm.residency import resident_bytes
+from spanwarm.pagecache.residency import resident_bytes
 from tests.daemon_harness import cold_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -40,7 +40,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 import spanwarm.integrations.dcp as spanwarm_dcp
 from spanwarm.client import Client
 from spanwarm.integrations.dcp import DcpLoad, PrefetchReader
-from spanwarm.residency import evict
+from spanwarm.pagecache.residency import evict
 from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, reads, touched
 

@@ -11,7 +11,7 @@ import pytest
 
 from spanwarm.client import Client, TensorSpans
 from spanwarm.daemon.budget import available_memory, cgroup_room, parse_budget
-from spanwarm.residency import resident_bytes
+from spanwarm.pagecache.residency import resident_bytes
 from tests.daemon_harness import cold_file, running_daemon
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""spanwarm.conversions.read_runs against transformers' own shard-on-read.
+"""spanwarm.checkpoint.conversions.read_runs against transformers' own shard-on-read.
 
 transformers' ``DtensorShardOperation`` is driven with a slice object that records every
 index it is asked for, on real meta DTensors (torch's fake process group, one process),
@@ -29,8 +29,8 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from transformers.distributed.sharding_utils import DtensorShardOperation  # noqa: E402
 
+from spanwarm.checkpoint.conversions import read_runs  # noqa: E402
 from spanwarm.client.rank_spans import model_placements  # noqa: E402
-from spanwarm.conversions import read_runs  # noqa: E402
 
 
 class RecordingSource:

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from spanwarm.checkpoint.safetensors_header import read_header
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.pagecache.residency import PAGE, evict, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
-from spanwarm.safetensors_header import read_header
 from tests.daemon_harness import cold_file, pinned, running_daemon
 
 MiB = 2**20

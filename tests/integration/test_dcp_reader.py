@@ -30,7 +30,7 @@ import spanwarm.integrations.dcp as spanwarm_dcp  # noqa: E402
 from spanwarm.client import Client  # noqa: E402
 from spanwarm.integrations.dcp import PrefetchReader  # noqa: E402
 from spanwarm.integrations.dcp.reads import reader_kind  # noqa: E402
-from spanwarm.residency import evict, file_residency  # noqa: E402
+from spanwarm.pagecache.residency import evict, file_residency  # noqa: E402
 from tests.daemon_harness import running_daemon  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

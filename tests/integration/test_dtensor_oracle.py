@@ -24,9 +24,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa
 from torch.distributed.tensor.placement_types import Placement, _StridedShard  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-from spanwarm import placements as model  # noqa: E402
+from spanwarm.checkpoint import placements as model  # noqa: E402
+from spanwarm.checkpoint.safetensors_header import read_header  # noqa: E402
 from spanwarm.client import rank_spans  # noqa: E402
-from spanwarm.safetensors_header import read_header  # noqa: E402
 
 SS = _StridedShard
 DTYPES = [

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.pagecache.residency import evict, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2, warmer_pb2_grpc
 from spanwarm.testing.slowfs import Fault, Hang, SlowFS, fuse_available, mount
 from tests.daemon_harness import cold_file, running_daemon

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from spanwarm.client import Client, TensorSpans
-from spanwarm.residency import resident_bytes
+from spanwarm.pagecache.residency import resident_bytes
 from tests.daemon_harness import cold_file, running_daemon
 
 MiB = 2**20

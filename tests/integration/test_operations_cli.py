@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from spanwarm.calibrate import calibrate
 from spanwarm.cli.calibrate import write_seek_cost
+from spanwarm.planning.calibrate import calibrate
 from tests.daemon_harness import cold_file, pinned
 
 MiB = 2**20

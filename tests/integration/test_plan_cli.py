@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from spanwarm.sample_checkpoint import seed_repro_checkpoints
+from spanwarm.checkpoint.samples import seed_repro_checkpoints
 
 MiB = 2**20
 PACKED_RULE = r"experts\.gate_up_proj=Shard(0)"

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
+from spanwarm.checkpoint.resolve import open_checkpoint
+from spanwarm.checkpoint.spans import SpanTable, StridedSpan
 from spanwarm.integrations.transformers.whatif import rank_load_spans
-from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.spans import SpanTable, StridedSpan
 from tests.tiny_models import build_model
 
 EXPERT = re.compile(r"\.experts\.\d+\.")

@@ -15,10 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
+from spanwarm.checkpoint.conversions import Concat, Conversion, Converted, OtherOp, Stack  # noqa: E402
+from spanwarm.checkpoint.safetensors_header import read_header  # noqa: E402
+from spanwarm.checkpoint.samples import SparseTensor, write_safetensors, write_sharded_checkpoint  # noqa: E402
 from spanwarm.client import TensorSpans, rank_spans  # noqa: E402
-from spanwarm.conversions import Concat, Conversion, Converted, OtherOp, Stack  # noqa: E402
-from spanwarm.safetensors_header import read_header  # noqa: E402
-from spanwarm.sample_checkpoint import SparseTensor, write_safetensors, write_sharded_checkpoint  # noqa: E402
 
 
 @pytest.fixture

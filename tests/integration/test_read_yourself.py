@@ -22,7 +22,7 @@ import pytest
 from spanwarm.client import Client
 from spanwarm.client.access import grant
 from spanwarm.daemon.throughput import mount_name
-from spanwarm.residency import resident_bytes
+from spanwarm.pagecache.residency import resident_bytes
 from tests.daemon_harness import cold_file, running_daemon
 from tests.integration.test_daemon import MiB, resident, span
 

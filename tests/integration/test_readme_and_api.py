@@ -76,7 +76,7 @@ def test_public_names_are_pinned() -> None:
 
 def test_importing_the_client_does_not_import_torch() -> None:
     code = (
-        "import sys, spanwarm.client, spanwarm.planner, spanwarm.daemon.server; "
+        "import sys, spanwarm.client, spanwarm.planning.planner, spanwarm.daemon.server; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(

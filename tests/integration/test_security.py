@@ -29,7 +29,7 @@ import pytest
 
 from spanwarm.client import Client, TensorSpans
 from spanwarm.daemon.front_door import inner_socket_path
-from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.pagecache.residency import PAGE, evict, resident_bytes
 from spanwarm.testing.slowfs import Hang, fuse_available, mount
 from tests.daemon_harness import running_daemon
 

@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 
 from spanwarm.client import Client
-from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.daemon import seek_probe
 from spanwarm.daemon.admission import FileIdentity, OpenFile
 from spanwarm.daemon.seek_probe import SeekProber
 from spanwarm.daemon.throughput import RANK_READ_BYTES, StreamThroughput, mount_name
-from spanwarm.residency import resident_bytes
-from spanwarm.seek_cost import MIN_FILE_BYTES
+from spanwarm.pagecache.residency import resident_bytes
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST
+from spanwarm.planning.seek_cost import MIN_FILE_BYTES
 from tests.daemon_harness import cold_file, pinned, running_daemon
 from tests.integration.test_daemon import MiB, span
 

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spanwarm.residency import evict, file_residency
+from spanwarm.pagecache.residency import evict, file_residency
 from spanwarm.testing.slowfs import Fault, Hang, Preset, SlowFS, fuse_available, mount
 
 _reason = fuse_available()

@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
+from spanwarm.checkpoint.resolve import open_checkpoint
 from spanwarm.integrations.transformers.whatif import rank_load_spans
-from spanwarm.safetensors_header import open_checkpoint
 from tests.integration.torchrun import RANKS, run_ranks
 from tests.tiny_models import (
     DENSE_CONFIGS,

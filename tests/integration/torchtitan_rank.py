@@ -39,7 +39,7 @@ from torchtitan.components.checkpoint import (
 
 import spanwarm.integrations.dcp as spanwarm_dcp
 from spanwarm.client import Client
-from spanwarm.residency import evict
+from spanwarm.pagecache.residency import evict
 from tests.integration.dcp_rank import Warnings, record_native_reads, result
 from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, reads, touched

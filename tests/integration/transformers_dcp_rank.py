@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 import spanwarm.integrations.transformers as spanwarm_tf
 from spanwarm.client import Client
 from spanwarm.integrations.dcp import DcpLoad
-from spanwarm.residency import evict
+from spanwarm.pagecache.residency import evict
 from tests.integration.rank_exit import exit_rank
 from tests.integration.read_recorder import RecordingFile, reads, touched
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.wire import (
     COLUMNS,
     NumberedSpans,
@@ -17,7 +18,6 @@ from spanwarm.client.wire import (
     span_bytes,
 )
 from spanwarm.rpc.v1 import warmer_pb2
-from spanwarm.tensor_layout import TensorSpans
 
 
 def spans(tmp_path: Path) -> list[TensorSpans]:

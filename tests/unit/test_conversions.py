@@ -1,10 +1,10 @@
-"""spanwarm.conversions without torch: routes, read order, and the bytes a piece needs."""
+"""Weight conversions without torch: routes, read order, and the bytes a piece needs."""
 
 from __future__ import annotations
 
 import pytest
 
-from spanwarm.conversions import (
+from spanwarm.checkpoint.conversions import (
     Chunk,
     Concat,
     Conversion,
@@ -14,7 +14,7 @@ from spanwarm.conversions import (
     natural_key,
     read_runs,
 )
-from spanwarm.placements import Replicate, Shard, StridedShard
+from spanwarm.checkpoint.placements import Replicate, Shard, StridedShard
 
 # A packed [E=8, 2I=12, H=4] gate_up parameter; its per-expert sources are [6, 4].
 TARGET = (8, 12, 4)

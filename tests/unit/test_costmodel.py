@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from spanwarm.costmodel import DEFAULT_SEEK_COST, plan_file
-from spanwarm.spans import SpanTable, StridedSpan
+from spanwarm.checkpoint.spans import SpanTable, StridedSpan
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST, plan_file
 
 MiB = 2**20
 

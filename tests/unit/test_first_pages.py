@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spanwarm.checkpoint.resolve import open_checkpoint
+from spanwarm.checkpoint.tensor_layout import TensorSpans, stored_tensor_spans
 from spanwarm.client.first_pages import first_page_span, tensor_first_pages, with_first_pages
-from spanwarm.residency import PAGE, evict, resident_pages
-from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.tensor_layout import TensorSpans, stored_tensor_spans
+from spanwarm.pagecache.residency import PAGE, evict, resident_pages
 
 MiB = 2**20
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spanwarm.checkpoint.spans import SpanTable
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.helpers import HelperDiedError, HelperPool
 from spanwarm.daemon.request import index_cells
 from spanwarm.daemon.span_check import decode_and_check
 from spanwarm.errors import InvalidRequestError, RequestTooLargeError
 from spanwarm.rpc.v1 import warmer_pb2
-from spanwarm.spans import SpanTable
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:

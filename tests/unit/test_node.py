@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+from spanwarm.checkpoint.spans import SpanTable, StridedSpan
 from spanwarm.daemon.admission import AdmittedRequest, OpenFile
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.page_cache import MemoryPageCache
 from spanwarm.daemon.request import Event, Request
-from spanwarm.residency import PAGE
-from spanwarm.spans import SpanTable, StridedSpan
+from spanwarm.pagecache.residency import PAGE
 
 MiB = 2**20
 CHUNK = MiB

@@ -18,7 +18,7 @@ import pytest
 
 from spanwarm.client.client import Ticket
 from spanwarm.client.own_reads import OwnReads
-from spanwarm.residency import PAGE, resident_bytes
+from spanwarm.pagecache.residency import PAGE, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2
 from tests.daemon_harness import cold_file, fuse_file
 

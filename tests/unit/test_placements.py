@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from spanwarm.placements import (
+from spanwarm.checkpoint.placements import (
     IndexRuns,
     Partial,
     Replicate,

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from spanwarm.checkpoint.spans import Intervals
 from spanwarm.daemon.ranges import clip, overlap_bytes, since, subtract, total, union
-from spanwarm.spans import Intervals
 
 _ranges = st.lists(
     st.tuples(st.integers(0, 200), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),

@@ -6,8 +6,8 @@ import os
 import time
 from pathlib import Path
 
-from spanwarm.read_ahead import DEFAULT_WINDOW, hint_window
-from spanwarm.residency import evict, resident_bytes
+from spanwarm.pagecache.read_ahead import DEFAULT_WINDOW, hint_window
+from spanwarm.pagecache.residency import evict, resident_bytes
 
 MiB = 2**20
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spanwarm.residency import (
+from spanwarm.pagecache.residency import (
     PAGE,
     SLOW_SAMPLE_S,
     cached_throughout,

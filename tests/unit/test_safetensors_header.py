@@ -11,15 +11,9 @@ from pathlib import Path
 import pytest
 
 from spanwarm import errors
-from spanwarm.residency import PAGE, evict, resident_bytes
-from spanwarm.safetensors_header import (
-    DTYPE_BITS,
-    HeaderCache,
-    checkpoint_files,
-    open_checkpoint,
-    read_header,
-    read_index,
-)
+from spanwarm.checkpoint.resolve import checkpoint_files, open_checkpoint, read_index
+from spanwarm.checkpoint.safetensors_header import DTYPE_BITS, HeaderCache, read_header
+from spanwarm.pagecache.residency import PAGE, evict, resident_bytes
 from tests.conftest import raw_safetensors
 
 WriteRaw = Callable[[str, bytes], Path]

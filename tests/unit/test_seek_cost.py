@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spanwarm.residency import PAGE, resident_bytes
-from spanwarm.seek_cost import (
+from spanwarm.pagecache.residency import PAGE, resident_bytes
+from spanwarm.planning.seek_cost import (
     LONG_BYTES,
     MAX_CHECKED,
     MIN_FILE_BYTES,

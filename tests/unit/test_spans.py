@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from spanwarm.spans import SpanTable, StridedSpan, merge_intervals
+from spanwarm.checkpoint.spans import SpanTable, StridedSpan, merge_intervals
 
 
 def merged(pairs: list[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:

@@ -6,9 +6,9 @@ import random
 import numpy as np
 import pytest
 
-from spanwarm.placements import IndexRuns
-from spanwarm.spans import StridedSpan
-from spanwarm.tensor_layout import clip_runs, tensor_spans
+from spanwarm.checkpoint.placements import IndexRuns
+from spanwarm.checkpoint.spans import StridedSpan
+from spanwarm.checkpoint.tensor_layout import clip_runs, tensor_spans
 
 BITS = {"F4": 4, "F6_E2M3": 6, "U8": 8, "BF16": 16, "F32": 32}
 

@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from spanwarm.daemon import warm_engine
-from spanwarm.daemon.warm_engine import (
+from spanwarm.errors import FileChangedError
+from spanwarm.pagecache import warm_engine
+from spanwarm.pagecache.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
+from spanwarm.pagecache.read_ahead import hint_window
+from spanwarm.pagecache.residency import PAGE, evict, resident_bytes
+from spanwarm.pagecache.warm_engine import (
     WarmEngine,
     WarmMethod,
     bad_pages,
     default_method,
     populate_supported,
 )
-from spanwarm.errors import FileChangedError
-from spanwarm.memory_map import MADV_POPULATE_READ, madvise, mapped, populate
-from spanwarm.read_ahead import hint_window
-from spanwarm.residency import PAGE, evict, resident_bytes
 from tests.daemon_harness import fuse_file
 
 MiB = 2**20

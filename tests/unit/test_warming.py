@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from spanwarm.daemon.page_cache import KernelPageCache, MemoryPageCache
-from spanwarm.daemon.warm_engine import BadRange, WarmEngine, default_method
 from spanwarm.daemon.warming import MIN_PIECE, Warmer
 from spanwarm.errors import FileChangedError
-from spanwarm.residency import PAGE, evict, resident_bytes
+from spanwarm.pagecache.residency import PAGE, evict, resident_bytes
+from spanwarm.pagecache.warm_engine import BadRange, WarmEngine, default_method
 
 CHUNK = 8 * 2**20
 PIECE = CHUNK // 8

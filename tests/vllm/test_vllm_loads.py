@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from spanwarm.checkpoint.safetensors_header import read_header
 from spanwarm.integrations.vllm.whatif import Layout, deployment_spans
-from spanwarm.residency import PAGE
-from spanwarm.safetensors_header import read_header
+from spanwarm.pagecache.residency import PAGE
 from tests import server_loads
 from tests.daemon_harness import running_daemon
 from tests.server_loads import assert_read_warm, pages_read, requested_pages, run_with_plugin

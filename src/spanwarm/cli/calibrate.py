@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spanwarm.calibrate import DEFAULT_SIZES, Point, calibrate
 from spanwarm.cli.arguments import size
+from spanwarm.planning.calibrate import DEFAULT_SIZES, Point, calibrate
 from spanwarm.units import format_bytes
 
 

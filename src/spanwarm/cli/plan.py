@@ -12,11 +12,17 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
 from spanwarm.cli.arguments import size
-from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.errors import CheckpointError
-from spanwarm.planner import NodePlan, PlacementRule, check_layout, plan_node, plan_node_spans
-from spanwarm.safetensors_header import Checkpoint, open_checkpoint
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST
+from spanwarm.planning.planner import (
+    NodePlan,
+    PlacementRule,
+    check_layout,
+    plan_node,
+    plan_node_spans,
+)
 from spanwarm.units import format_bytes
 
 EXAMPLES = """\

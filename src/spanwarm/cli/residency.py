@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from spanwarm.cli.arguments import path_range
-from spanwarm.residency import residency_trusted, resident_bytes
+from spanwarm.pagecache.residency import residency_trusted, resident_bytes
 from spanwarm.units import format_bytes
 
 

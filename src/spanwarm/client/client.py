@@ -36,6 +36,9 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
+from spanwarm.checkpoint.conversions import Conversion
+from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.access import AccessRefused, EndpointUnsafe, check_endpoint
 from spanwarm.client.channel import DaemonChannel
 from spanwarm.client.environment import disabled_by_environment, job_id, this_rank
@@ -46,10 +49,7 @@ from spanwarm.client.stall import watch
 from spanwarm.client.tensor_state import Progress, TensorState
 from spanwarm.client.ticket import Ticket
 from spanwarm.client.wire import NumberedSpans, SpanColumns, drop_files, message_dict
-from spanwarm.conversions import Conversion
 from spanwarm.endpoint import default_socket_path
-from spanwarm.safetensors_header import Checkpoint, open_checkpoint
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["Client", "Progress", "Ticket", "disabled_by_environment", "message_dict"]
 

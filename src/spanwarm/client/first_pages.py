@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from spanwarm.residency import PAGE
-from spanwarm.safetensors_header import Checkpoint, Header, TensorInfo
-from spanwarm.tensor_layout import TensorSpans
+from spanwarm.checkpoint.resolve import Checkpoint
+from spanwarm.checkpoint.safetensors_header import Header, TensorInfo
+from spanwarm.checkpoint.tensor_layout import TensorSpans
+from spanwarm.pagecache.residency import PAGE
 
 __all__ = ["first_page_span", "tensor_first_pages", "with_first_pages"]
 

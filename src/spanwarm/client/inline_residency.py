@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from spanwarm.residency import open_trusted, probably_cached
+from spanwarm.pagecache.residency import open_trusted, probably_cached
 
 __all__ = ["TensorEnvelopes"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from spanwarm.read_ahead import DEFAULT_WINDOW, hint_window
-from spanwarm.residency import PAGE, cached_pages
+from spanwarm.pagecache.read_ahead import DEFAULT_WINDOW, hint_window
+from spanwarm.pagecache.residency import PAGE, cached_pages
 
 __all__ = ["OwnReads"]
 

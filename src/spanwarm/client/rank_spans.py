@@ -5,7 +5,7 @@ a DTensor holds the indices its placements give its mesh coordinate (nothing whe
 rank is outside the mesh); a plain tensor holds everything. Those global index runs are
 intersected with what each file stores of the tensor and laid out as strided spans.
 Checkpoint tensors a loader converts (per-expert pieces stacked into one parameter,
-concatenated or chunked ones) are read as :mod:`spanwarm.conversions` describes.
+concatenated or chunked ones) are read as :mod:`spanwarm.checkpoint.conversions` describes.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from spanwarm.client.first_pages import tensor_first_pages
-from spanwarm.conversions import Conversion, Converted, natural_key, read_runs
-from spanwarm.placements import (
+from spanwarm.checkpoint.conversions import Conversion, Converted, natural_key, read_runs
+from spanwarm.checkpoint.placements import (
     IndexRuns,
     Placement,
     Replicate,
@@ -26,8 +25,10 @@ from spanwarm.placements import (
     StridedShard,
     local_index_runs,
 )
-from spanwarm.safetensors_header import Checkpoint, Header, TensorInfo, open_checkpoint
-from spanwarm.tensor_layout import TensorSpans, global_shape, stored_tensor_spans
+from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
+from spanwarm.checkpoint.safetensors_header import Header, TensorInfo
+from spanwarm.checkpoint.tensor_layout import TensorSpans, global_shape, stored_tensor_spans
+from spanwarm.client.first_pages import tensor_first_pages
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,7 @@ def _mapper(key_map: KeyMap | None) -> Callable[[str], str | Converted | None]:
 
 
 def model_placements(placements: Sequence[Any]) -> tuple[Placement, ...] | None:
-    """torch placements -> :mod:`spanwarm.placements`; None if one is not understood."""
+    """torch placements -> :mod:`spanwarm.checkpoint.placements`; None if one is not understood."""
     from torch.distributed.tensor.placement_types import Shard as TorchShard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -230,9 +231,9 @@ def rank_spans(
 
     ``state_dict`` values are DTensors (meta is fine) or plain tensors (which need the
     whole checkpoint tensor). ``key_map`` maps a checkpoint key to a state-dict key, a
-    :class:`~spanwarm.conversions.Converted` route, or None (a mapping leaves absent keys
+    :class:`~spanwarm.checkpoint.conversions.Converted` route, or None (a mapping leaves absent keys
     unchanged); then the first of ``conversions`` matching the renamed key converts it
-    (pieces of one pattern are indexed in :func:`~spanwarm.conversions.natural_key`
+    (pieces of one pattern are indexed in :func:`~spanwarm.checkpoint.conversions.natural_key`
     order, as transformers collects them). Checkpoint tensors that reach no state-dict
     key are listed whole (``unmatched="warm"``: a loader probably reads them through
     some conversion) or left out (``"skip"``). Spans come grouped by tensor in

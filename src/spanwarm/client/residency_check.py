@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from spanwarm.client.inline_residency import TensorEnvelopes
-from spanwarm.residency import (
+from spanwarm.pagecache.residency import (
     cached_throughout,
     missing_bytes,
     open_trusted,

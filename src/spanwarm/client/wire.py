@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.residency_check import distinct
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = [
     "COLUMNS",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from spanwarm.checkpoint.spans import SpanTable
 from spanwarm.daemon.file_systems import kernel_file_system
 from spanwarm.daemon.mount_advice import MountAdvice
 from spanwarm.daemon.span_check import CheckedRequest
@@ -43,8 +44,7 @@ from spanwarm.errors import (
     SpanwarmError,
     StorageError,
 )
-from spanwarm.residency import residency_trusted
-from spanwarm.spans import SpanTable
+from spanwarm.pagecache.residency import residency_trusted
 
 __all__ = [
     "AdmittedRequest",

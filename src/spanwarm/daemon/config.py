@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from spanwarm.costmodel import DEFAULT_SEEK_COST
 from spanwarm.endpoint import access_socket_path, default_socket_path
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST
 from spanwarm.units import parse_size
 
 __all__ = [

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from spanwarm.costmodel import DEFAULT_SEEK_COST, FilePlan
+from spanwarm.checkpoint.spans import SpanTable
 from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.cells import Cell, CellTable
@@ -66,10 +66,10 @@ from spanwarm.daemon.scheduler import Scheduler
 from spanwarm.daemon.seek_probe import SeekProber
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput
-from spanwarm.daemon.warm_engine import BadRange, WarmEngine, WarmMethod, default_method
 from spanwarm.daemon.warming import Warmer, WarmOutcome
 from spanwarm.errors import FileChangedError
-from spanwarm.spans import SpanTable
+from spanwarm.pagecache.warm_engine import BadRange, WarmEngine, WarmMethod, default_method
+from spanwarm.planning.costmodel import DEFAULT_SEEK_COST, FilePlan
 
 __all__ = ["Node"]
 

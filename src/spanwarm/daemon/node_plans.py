@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import numpy.typing as npt
 
-from spanwarm.costmodel import FilePlan, plan_file
+from spanwarm.checkpoint.spans import SpanTable, run_offsets
 from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.ranges import Range, clip
 from spanwarm.daemon.request import CellKey, CellQueue
 from spanwarm.daemon.threads import DaemonThreadPool
-from spanwarm.spans import SpanTable, run_offsets
+from spanwarm.planning.costmodel import FilePlan, plan_file
 
 __all__ = ["NodePlans"]
 

@@ -1,7 +1,7 @@
 """What a warm operation needs from the page cache, and two page caches that give it.
 
 :class:`KernelPageCache` is the daemon's: the file's own stream (``OpenFile.stream``), the
-:class:`~spanwarm.daemon.warm_engine.WarmEngine`'s reads, ``cachestat``/``mincore`` where
+:class:`~spanwarm.pagecache.warm_engine.WarmEngine`'s reads, ``cachestat``/``mincore`` where
 they tell the truth, ``pread`` page by page to find bad pages, and ``--hold``'s mappings.
 :class:`MemoryPageCache` keeps residency as byte ranges in memory, with pages that fail
 and files that change on demand: the warm operation and the node above it are tested
@@ -20,10 +20,10 @@ from typing import Protocol
 
 from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.ranges import Range, clip, subtract, total, union
-from spanwarm.daemon.warm_engine import BadRange, WarmEngine, bad_pages
 from spanwarm.errors import FileChangedError
-from spanwarm.memory_map import map_range, populate, unmap
-from spanwarm.residency import PAGE, resident_bytes
+from spanwarm.pagecache.memory_map import map_range, populate, unmap
+from spanwarm.pagecache.residency import PAGE, resident_bytes
+from spanwarm.pagecache.warm_engine import BadRange, WarmEngine, bad_pages
 
 __all__ = ["FileSession", "KernelPageCache", "MemoryPageCache", "PageCache"]
 

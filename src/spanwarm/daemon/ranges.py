@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
-from spanwarm.spans import Intervals
+from spanwarm.checkpoint.spans import Intervals
 
 __all__ = ["Range", "clip", "overlap_bytes", "since", "subtract", "total", "union"]
 

@@ -16,7 +16,7 @@ from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.cells import Cell
 from spanwarm.daemon.ranges import Range, since, subtract
 from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Request
-from spanwarm.daemon.warm_engine import BadRange
+from spanwarm.pagecache.warm_engine import BadRange
 
 __all__ = ["fail_bad_pages", "fail_cell_groups", "finish_if_resolved", "mark_ready", "satisfied"]
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from spanwarm.checkpoint.spans import SpanTable, run_offsets
 from spanwarm.daemon.admission import AdmittedRequest, OpenFile
 from spanwarm.daemon.ranges import Range
-from spanwarm.spans import SpanTable, run_offsets
 
 __all__ = [
     "FAILED",

@@ -1,7 +1,7 @@
 """Each mount's seek cost, probed by the daemon while no request is live.
 
 ``spanwarm calibrate`` is how an operator measures a mount's seek cost by hand; the daemon
-takes the same measurement (:mod:`spanwarm.seek_cost`: one stream's sequential rate from
+takes the same measurement (:mod:`spanwarm.planning.seek_cost`: one stream's sequential rate from
 a short and a long contiguous read, times the time of one seek from single pages 4 MiB
 apart) on a file a request named, so nobody has to. Its reads during a load cannot give
 the figure: with eight operations in flight, the fixed cost of each is mostly queueing.
@@ -61,7 +61,7 @@ from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput, mount_name
 from spanwarm.errors import FileChangedError
-from spanwarm.seek_cost import (
+from spanwarm.planning.seek_cost import (
     MIN_PLACE_BYTES,
     FileFailed,
     MeasureStopped,

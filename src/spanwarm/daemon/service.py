@@ -30,7 +30,6 @@ import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
 from spanwarm import __version__
-from spanwarm.costmodel import FilePlan
 from spanwarm.daemon.admission import Adopted, admit
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.grants import Grant, Grants, same_token
@@ -44,6 +43,7 @@ from spanwarm.errors import (
     SpanwarmError,
     UnauthenticatedError,
 )
+from spanwarm.planning.costmodel import FilePlan
 from spanwarm.rpc.v1 import warmer_pb2
 
 __all__ = ["HEARTBEAT_SECONDS", "WARMER", "WarmerService"]

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spanwarm.endpoint import unsafe_directory
-from spanwarm.seek_cost import MAX_SEEK_COST
+from spanwarm.planning.seek_cost import MAX_SEEK_COST
 
 __all__ = [
     "HALF_LIFE_BYTES",

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.page_cache import PageCache
 from spanwarm.daemon.ranges import Range, subtract, total
-from spanwarm.daemon.warm_engine import BadRange
 from spanwarm.errors import FileChangedError
-from spanwarm.residency import PAGE
+from spanwarm.pagecache.residency import PAGE
+from spanwarm.pagecache.warm_engine import BadRange
 
 __all__ = ["MIN_PIECE", "PIECES", "PIECE_SECONDS", "WarmOutcome", "Warmer"]
 

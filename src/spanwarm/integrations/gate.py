@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.ticket import Ticket
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["GatedReads"]
 

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from spanwarm.checkpoint.safetensors_header import Header, read_header
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.first_pages import first_page_span
 from spanwarm.integrations.touches import TouchRecorder, spans_of
-from spanwarm.safetensors_header import Header, read_header
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = [
     "DryRun",

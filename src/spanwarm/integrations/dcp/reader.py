@@ -28,10 +28,10 @@ from typing import Any
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.client import Client
 from spanwarm.integrations.dcp.reads import PlanReads, chunk_name, item_name, plan_reads
 from spanwarm.integrations.gate import GatedReads
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["DcpLoad", "PrefetchReader"]
 

@@ -32,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from spanwarm.checkpoint.safetensors_header import Header, TensorInfo, read_header
+from spanwarm.checkpoint.tensor_layout import TensorSpans, tensor_spans
 from spanwarm.client.first_pages import tensor_first_pages
 from spanwarm.errors import CheckpointError
-from spanwarm.safetensors_header import Header, TensorInfo, read_header
-from spanwarm.tensor_layout import TensorSpans, tensor_spans
 
 __all__ = ["PlanReads", "chunk_name", "item_name", "plan_reads", "reader_kind"]
 

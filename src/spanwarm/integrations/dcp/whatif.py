@@ -22,15 +22,22 @@ from typing import Any
 
 import numpy as np
 
-from spanwarm.costmodel import plan_file
+from spanwarm.checkpoint.placements import (
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    local_index_runs,
+)
+from spanwarm.checkpoint.resolve import INDEX_FILE
+from spanwarm.checkpoint.safetensors_header import read_header
+from spanwarm.checkpoint.spans import SpanTable
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.errors import MetadataFormatError
 from spanwarm.integrations.dcp.metadata import load_metadata
 from spanwarm.integrations.dcp.reads import plan_reads
-from spanwarm.placements import Placement, Replicate, Shard, StridedShard, local_index_runs
-from spanwarm.planner import NodePlan, PlacementRule
-from spanwarm.safetensors_header import INDEX_FILE, read_header
-from spanwarm.spans import SpanTable
-from spanwarm.tensor_layout import TensorSpans
+from spanwarm.planning.costmodel import plan_file
+from spanwarm.planning.planner import NodePlan, PlacementRule
 
 __all__ = ["Box", "dcp_format", "placement_box", "plan_dcp_node"]
 

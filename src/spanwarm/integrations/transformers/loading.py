@@ -25,11 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from spanwarm.checkpoint.resolve import open_checkpoint
+from spanwarm.checkpoint.tensor_layout import TensorSpans, stored_tensor_spans
 from spanwarm.client.client import Client
 from spanwarm.integrations.gate import GatedReads
 from spanwarm.integrations.transformers.routing import REQUIRED, load_spans
-from spanwarm.safetensors_header import open_checkpoint
-from spanwarm.tensor_layout import TensorSpans, stored_tensor_spans
 
 __all__ = ["LoadRecord", "Prefetch", "disable", "enable", "prefetch"]
 

@@ -4,7 +4,7 @@ transformers renames every checkpoint key with all of the model's ``WeightRenami
 then at most one ``WeightConverter`` (``core_model_loading.rename_source_key``), adding or
 stripping the base-model prefix against the meta state dict. Calling that same function
 keeps spanwarm right for every model family and scoping rule transformers knows; only
-the conversion operations are translated, into :mod:`spanwarm.conversions` ops.
+the conversion operations are translated, into :mod:`spanwarm.checkpoint.conversions` ops.
 """
 
 from __future__ import annotations
@@ -13,10 +13,18 @@ import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from spanwarm.checkpoint.conversions import (
+    Chunk,
+    Concat,
+    Converted,
+    Op,
+    OtherOp,
+    Stack,
+    natural_key,
+)
+from spanwarm.checkpoint.resolve import Checkpoint
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client.rank_spans import rank_spans
-from spanwarm.conversions import Chunk, Concat, Converted, Op, OtherOp, Stack, natural_key
-from spanwarm.safetensors_header import Checkpoint
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["REQUIRED", "checkpoint_routes", "load_spans", "spanwarm_ops"]
 

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from spanwarm.checkpoint.resolve import Checkpoint
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.integrations.transformers.routing import load_spans
-from spanwarm.safetensors_header import Checkpoint
-from spanwarm.tensor_layout import TensorSpans
 
 __all__ = ["ParallelismError", "meta_model", "rank_load_spans"]
 

@@ -24,7 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from spanwarm.tensor_layout import TensorSpans
+from spanwarm.checkpoint.tensor_layout import TensorSpans
 
 __all__ = ["Layout", "deployment_spans"]
 

@@ -18,7 +18,7 @@ Cost model, per read request the kernel sends (after the page cache missed):
 Requests sleep with ``time.sleep`` (which releases the GIL) on a multithreaded libfuse
 loop, so many are in flight at once. The mount uses ``kernel_cache``: cached pages survive
 close and reopen, as on a real mount, and ``posix_fadvise``/``mincore`` (hence
-:mod:`spanwarm.residency`) work on its files.
+:mod:`spanwarm.pagecache.residency`) work on its files.
 
 Faults and hangs, for tests of error handling and shutdown (both match read *requests*, as
 the kernel sends them, against a byte range of one file named relative to the mount root):

@@ -96,3 +96,44 @@ def test_the_transformers_integration_imports_transformers_only_when_enabled() -
     assert result.stdout.strip() == (
         "['LoadRecord', 'Prefetch', 'disable', 'enable', 'prefetch'] False False"
     )
+
+
+def _layout_names() -> set[str]:
+    """Every module and package docs/ARCHITECTURE.md's layout names, relative to
+    src/spanwarm (packages end with a slash)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = block.split("src/spanwarm/\n", 1)[1].splitlines()
+    names: set[str] = set()
+    package = ""
+    for line in lines:
+        indent = len(line) - len(line.lstrip())
+        if indent < 2:
+            break  # past src/spanwarm/
+        if indent >= 8:
+            continue  # a description's continuation
+        field = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        listed = [n.strip() for n in field.split(",") if n.strip()]
+        assert all(re.fullmatch(r"[\w/]+(\.py)?/?", n) for n in listed), line
+        for name in listed:
+            if indent == 2:
+                names.add(name)
+                if name.endswith("/"):
+                    package = name
+            else:
+                names.add(package + name)
+    return names
+
+
+def test_the_architecture_layout_matches_the_tree() -> None:
+    src = ROOT / "src" / "spanwarm"
+    named = _layout_names()
+    missing = sorted(n for n in named if not (src / n).exists())
+    assert not missing, f"docs/ARCHITECTURE.md names what does not exist: {missing}"
+    packages = {
+        str(p.parent.relative_to(src)) + "/"
+        for p in src.rglob("__init__.py")
+        if p.parent != src and "__pycache__" not in p.parts
+    }
+    covered = {p for p in packages if any(n == p or n.startswith(p) for n in named)}
+    assert packages == covered, f"packages the layout does not name: {sorted(packages - covered)}"

@@ -22,7 +22,7 @@ import pytest
 
 from spanwarm.client import Client
 from spanwarm.daemon import seek_probe
-from spanwarm.daemon.admission import FileIdentity, OpenFile
+from spanwarm.daemon.files import FileIdentity, OpenFile
 from spanwarm.daemon.seek_probe import SeekProber
 from spanwarm.daemon.throughput import RANK_READ_BYTES, StreamThroughput, mount_name
 from spanwarm.pagecache.residency import resident_bytes

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from spanwarm.checkpoint.spans import SpanTable, StridedSpan
-from spanwarm.daemon.admission import AdmittedRequest, OpenFile
+from spanwarm.daemon.admission import AdmittedRequest
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.page_cache import MemoryPageCache
 from spanwarm.daemon.request import Event, Request

@@ -124,7 +124,7 @@ def test_cold_reads_are_learned_and_resident_ones_are_not() -> None:
 
 
 def test_the_kernel_page_cache_warms_a_real_file(tmp_path: Path) -> None:
-    from spanwarm.daemon.admission import FileTable
+    from spanwarm.daemon.files import FileTable
 
     path = tmp_path / "data"
     path.write_bytes(os.urandom(4 * 2**20))

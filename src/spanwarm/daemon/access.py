@@ -35,7 +35,6 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 
 from spanwarm.daemon.accepting import listen_privately, pause_accepting
-from spanwarm.daemon.admission import Adopted, FileTable
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.descriptors import (
     RESERVE_SHARE,
@@ -43,6 +42,7 @@ from spanwarm.daemon.descriptors import (
     users_connections,
     users_files,
 )
+from spanwarm.daemon.files import Adopted, FileTable
 from spanwarm.daemon.grants import Grants, Peer
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.errors import InvalidRequestError, RequestTooLargeError, SpanwarmError

@@ -17,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from spanwarm.daemon.admission import Adopted, FileTable
+from spanwarm.daemon.files import Adopted, FileTable
 from spanwarm.errors import AccessDeniedError, UnauthenticatedError
 
 __all__ = ["Grant", "Grants", "Peer", "same_token"]

@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 
 from spanwarm.checkpoint.spans import SpanTable
-from spanwarm.daemon.admission import FileTable, OpenFile
 from spanwarm.daemon.budget import available_memory, parse_budget
 from spanwarm.daemon.cells import Cell, CellTable
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.fair_share import FairShare
+from spanwarm.daemon.files import FileTable, OpenFile
 from spanwarm.daemon.helpers import HelperPool
 from spanwarm.daemon.holds import Holds
 from spanwarm.daemon.metrics import Metrics

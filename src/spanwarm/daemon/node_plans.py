@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.checkpoint.spans import SpanTable, run_offsets
-from spanwarm.daemon.admission import OpenFile
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.ranges import Range, clip
 from spanwarm.daemon.request import CellKey, CellQueue
 from spanwarm.daemon.threads import DaemonThreadPool

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from spanwarm.daemon.admission import OpenFile
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.ranges import Range, clip, subtract, total, union
 from spanwarm.errors import FileChangedError
 from spanwarm.pagecache.memory_map import map_range, populate, unmap

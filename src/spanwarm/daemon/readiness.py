@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.cells import Cell
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.ranges import Range, since, subtract
 from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Request
 from spanwarm.pagecache.warm_engine import BadRange

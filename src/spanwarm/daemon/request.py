@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from spanwarm.checkpoint.spans import SpanTable, run_offsets
-from spanwarm.daemon.admission import AdmittedRequest, OpenFile
+from spanwarm.daemon.admission import AdmittedRequest
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.ranges import Range
 
 __all__ = [

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from spanwarm.daemon.admission import OpenFile
 from spanwarm.daemon.cells import CellTable
 from spanwarm.daemon.fair_share import FairShare
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.node_plans import NodePlans
 from spanwarm.daemon.ranges import Range, since, subtract, union
 from spanwarm.daemon.request import PENDING, CellKey, CellQueue, Request

@@ -57,7 +57,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from spanwarm.daemon.admission import OpenFile
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.threads import DaemonThreadPool
 from spanwarm.daemon.throughput import StreamThroughput, mount_name
 from spanwarm.errors import FileChangedError

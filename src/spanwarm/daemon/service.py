@@ -30,8 +30,9 @@ import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
 from spanwarm import __version__
-from spanwarm.daemon.admission import Adopted, admit
+from spanwarm.daemon.admission import admit
 from spanwarm.daemon.config import DaemonConfig
+from spanwarm.daemon.files import Adopted
 from spanwarm.daemon.grants import Grant, Grants, same_token
 from spanwarm.daemon.heap import trim_heap
 from spanwarm.daemon.node import Node

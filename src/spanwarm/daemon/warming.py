@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from spanwarm.daemon.admission import OpenFile
+from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.page_cache import PageCache
 from spanwarm.daemon.ranges import Range, subtract, total
 from spanwarm.errors import FileChangedError

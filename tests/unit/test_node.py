@@ -16,7 +16,7 @@ from spanwarm.daemon.config import DaemonConfig
 from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.page_cache import MemoryPageCache
-from spanwarm.daemon.request import Event, Request
+from spanwarm.daemon.request import Event, EventKind, Request
 from spanwarm.pagecache.residency import PAGE
 
 MiB = 2**20
@@ -81,7 +81,7 @@ async def _events(request: Request) -> list[Event]:
     while True:
         event = await asyncio.wait_for(request.events.get(), 10)
         out.append(event)
-        if event.kind == "done":
+        if event.kind == EventKind.DONE:
             return out
 
 
@@ -95,7 +95,7 @@ async def _test_a_request_is_warmed_exactly_and_made_ready(node: Node, tmp_path:
     r = _request(node, [(f, "t0", 0, 100_000), (f, "t1", 3 * MiB, 2 * PAGE)])
     await node.register(r)
     events = await _events(r)
-    ready = sorted(g for e in events if e.kind == "ready" for g in e.groups)
+    ready = sorted(g for e in events if e.kind == EventKind.READY for g in e.groups)
     assert ready == [0, 1]
     cache = _cache(node)
     read = sorted((s, e) for _, s, e in cache.reads)
@@ -148,12 +148,12 @@ async def _test_bad_pages_fail_only_the_tensors_on_them(node: Node, tmp_path: Pa
     r = _request(node, [(f, "good", 0, MiB), (f, "bad", MiB, MiB)])
     await node.register(r)
     events = await _events(r)
-    failed = [e for e in events if e.kind == "failed"]
+    failed = [e for e in events if e.kind == EventKind.FAILED]
     assert [e.groups for e in failed] == [(1,)]
     assert failed[0].code == "UNAVAILABLE"
     assert f"at offset {MiB + PAGE}" in failed[0].reason
     assert f.path in failed[0].reason
-    assert [g for e in events if e.kind == "ready" for g in e.groups] == [0]
+    assert [g for e in events if e.kind == EventKind.READY for g in e.groups] == [0]
     node.release(r)
 
 
@@ -165,8 +165,8 @@ async def _test_a_file_replaced_while_warming_is_aborted_not_ready(
     r = _request(node, [(f, "t", 0, 2 * MiB)])
     await node.register(r)
     events = await _events(r)
-    assert not any(e.kind == "ready" for e in events)
-    failed = [e for e in events if e.kind == "failed"]
+    assert not any(e.kind == EventKind.READY for e in events)
+    failed = [e for e in events if e.kind == EventKind.FAILED]
     assert failed
     assert failed[0].code == "ABORTED"
     node.release(r)

@@ -61,7 +61,7 @@ from spanwarm.daemon.readiness import (
     satisfied,
 )
 from spanwarm.daemon.refusals import Refusals
-from spanwarm.daemon.request import FAILED, READY, CellKey, Event, Request
+from spanwarm.daemon.request import FAILED, READY, CellKey, Event, EventKind, Request
 from spanwarm.daemon.scheduler import Scheduler
 from spanwarm.daemon.seek_probe import SeekProber
 from spanwarm.daemon.threads import DaemonThreadPool
@@ -279,7 +279,7 @@ class Node:
         empty = np.flatnonzero(request.remaining == 0)
         request.state[empty] = READY
         if empty.size:
-            request.events.put_nowait(Event("ready", tuple(empty.tolist())))
+            request.events.put_nowait(Event(EventKind.READY, tuple(empty.tolist())))
         finish_if_resolved(request)
         self.share.unservable.discard(request.uid)  # it has work now: worth preempting for
         self._wake.set()

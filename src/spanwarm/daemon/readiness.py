@@ -15,7 +15,7 @@ from collections.abc import Callable
 from spanwarm.daemon.cells import Cell
 from spanwarm.daemon.files import OpenFile
 from spanwarm.daemon.ranges import Range, since, subtract
-from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, Request
+from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, EventKind, Request
 from spanwarm.pagecache.warm_engine import BadRange
 
 __all__ = ["fail_bad_pages", "fail_cell_groups", "finish_if_resolved", "mark_ready", "satisfied"]
@@ -46,7 +46,7 @@ def mark_ready(request: Request, key: CellKey) -> None:
     now_ready = groups[request.remaining[groups] == 0]
     if now_ready.size:
         request.state[now_ready] = READY
-        request.events.put_nowait(Event("ready", tuple(now_ready.tolist())))
+        request.events.put_nowait(Event(EventKind.READY, tuple(now_ready.tolist())))
     finish_if_resolved(request)
 
 
@@ -59,7 +59,7 @@ def fail_cell_groups(request: Request, key: CellKey, code: str, cause: str) -> b
     if groups.size:
         request.state[groups] = FAILED
         reason = f"{request.name_of(key[0])}: {cause}"
-        request.events.put_nowait(Event("failed", tuple(groups.tolist()), code, reason))
+        request.events.put_nowait(Event(EventKind.FAILED, tuple(groups.tolist()), code, reason))
     finish_if_resolved(request)
     return bool(groups.size)
 
@@ -75,7 +75,9 @@ def fail_bad_pages(request: Request, file: OpenFile, bad: list[BadRange]) -> int
             continue
         request.state[groups] = FAILED
         reason = f"{request.name_of(file)}: {b.cause} (at offset {b.start})"
-        request.events.put_nowait(Event("failed", tuple(groups.tolist()), "UNAVAILABLE", reason))
+        request.events.put_nowait(
+            Event(EventKind.FAILED, tuple(groups.tolist()), "UNAVAILABLE", reason)
+        )
         sent += 1
     finish_if_resolved(request)
     return sent
@@ -85,4 +87,4 @@ def finish_if_resolved(request: Request) -> None:
     """Send ``done`` once, when no group is pending."""
     if not request.finished and request.resolved:  # (resolved looks at every group)
         request.finished = True
-        request.events.put_nowait(Event("done"))
+        request.events.put_nowait(Event(EventKind.DONE))

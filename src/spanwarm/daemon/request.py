@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import enum
 import itertools
 import os
 import time
@@ -31,6 +32,7 @@ __all__ = [
     "CellKey",
     "CellQueue",
     "Event",
+    "EventKind",
     "Range",
     "Request",
     "index_cells",
@@ -41,11 +43,20 @@ CellKey = tuple[OpenFile, int]
 PENDING, READY, FAILED = 0, 1, 2
 
 
+class EventKind(enum.StrEnum):
+    """What an event of a request's stream says: groups became ready, groups failed (with
+    a code and a reason), or nothing of the request is pending any more."""
+
+    READY = "ready"
+    FAILED = "failed"
+    DONE = "done"
+
+
 @dataclass(frozen=True)
 class Event:
-    """One message for a request's stream: ``kind`` is ready, failed or done."""
+    """One message for a request's stream."""
 
-    kind: str
+    kind: EventKind
     groups: tuple[int, ...] = ()
     code: str = ""
     reason: str = ""

@@ -38,7 +38,8 @@ from spanwarm.daemon.grants import Grants
 from spanwarm.daemon.heap import configure_heap
 from spanwarm.daemon.node import Node
 from spanwarm.daemon.notify import notify
-from spanwarm.daemon.service import WARMER, WarmerService
+from spanwarm.daemon.service import WarmerService
+from spanwarm.daemon.wire import WARMER
 from spanwarm.endpoint import access_socket_path, private_directory
 from spanwarm.errors import SpanwarmError
 

@@ -22,8 +22,10 @@ socket, a fresh one per scenario; shared files of random bytes in a temporary di
   (checking residency the same way), report consumed, wait for the stream's end.
 
 For both, the daemon's RSS (VmRSS) and open descriptors (/proc/PID/fd) before (idle,
-after one Status call), at peak (sampled every 50 ms) and 2 s after the last stream
-ended. Progress goes to stderr.
+after one Status call), at peak (sampled every 50 ms) and after: 2 s after the last stream
+ended, or, while descriptors are above idle, once they are back (the idle seek probe holds
+a copy of each candidate file's until it has run, two idle seconds on), 60 s at most.
+Progress goes to stderr.
 
 Exits 1 if a tensor failed or was released, a ready tensor was not resident, or the
 daemon's descriptors did not return to their count before. Some machines evict idle page
@@ -67,6 +69,10 @@ from spanwarm.units import format_bytes, parse_size
 HERE = Path(__file__).resolve().parent
 KiB, MiB = 2**10, 2**20
 SETTLE_S = 2.0  # after the last stream ended, before the "after" sample
+# The idle seek probe keeps a descriptor of each candidate file (a copy of the request's)
+# until it has run, which it does once no request has been live for two seconds: the
+# "after" sample waits for the descriptors to come back this long at most.
+PROBE_SETTLE_S = 60.0
 
 
 def log(message: str) -> None:
@@ -125,6 +131,7 @@ class Footprint:
         self.peak = self.before
         self.after = self.before
         self.current = self.before
+        self.settled_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -141,12 +148,19 @@ class Footprint:
         self.peak = (max(self.peak[0], self.current[0]), max(self.peak[1], self.current[1]))
 
     def finish(self) -> None:
-        """Stop sampling; take the "after" sample ``SETTLE_S`` from now."""
+        """Stop sampling; take the "after" sample ``SETTLE_S`` from now, or, while the
+        descriptors are above idle, once they are back (the idle seek probe's copies),
+        ``PROBE_SETTLE_S`` at most."""
+        began = time.monotonic()
         time.sleep(SETTLE_S)
         self._stop.set()
         self._thread.join()
         self._take()
+        while self.current[1] > self.before[1] and time.monotonic() - began < PROBE_SETTLE_S:
+            time.sleep(0.5)
+            self._take()
         self.after = self.current
+        self.settled_s = time.monotonic() - began
 
     def rows(self) -> list[tuple[str, str]]:
         (rb, fb), (rp, fp), (ra, fa) = self.before, self.peak, self.after
@@ -156,6 +170,7 @@ class Footprint:
                 f"{rb / MiB:.0f} / {rp / MiB:.0f} / {ra / MiB:.0f} MiB",
             ),
             ("daemon fds before / peak / after", f"{fb} / {fp} / {fa}"),
+            ("after: sampled this long after the last stream ended", f"{self.settled_s:.1f} s"),
         ]
 
 

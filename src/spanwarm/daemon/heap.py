@@ -32,8 +32,8 @@ __all__ = [
 # A message this large has its memory given back when its call ends, however it ends: a
 # refusal's exception holds the handler's frame (the raw and the decoded message) in a
 # reference cycle that only the collector frees, and a daemon that allocates little
-# seldom runs a full collection (six refused 104 MB Warms held 2.7 GB, found by an
-# attack run).
+# seldom runs a full collection (without a trim, six refused 104 MB Warms hold 2.7 GB:
+# an attack run's figure).
 LARGE_MESSAGE = 4 * 2**20  # bytes
 LARGE_REQUEST_SPANS = 10_000  # a request this large has its memory given back when done
 TRIM_DELAY_S = 0.5  # a call's frame has let go of its objects by then

@@ -123,7 +123,7 @@ class Node:
         # answering Status and streaming readiness come before admitting more work.
         self.admission_pool = DaemonThreadPool(2, "spanwarm-admit", nice=10)
         # Large requests are decoded, checked and indexed in these (the admission threads
-        # only wait for them): under the GIL, that work held up Status for seconds.
+        # only wait for them): under the daemon's GIL, that work holds up Status for seconds.
         self.helpers = HelperPool(2)
         self.plans = NodePlans(
             self.chunk,
@@ -328,8 +328,8 @@ class Node:
         budget, and a cell where the rank has read everything it asked for is no longer
         warmed for it. A rank reads a tensor before it is ready when reading it itself is
         sooner (``Ticket.wait_for_read``): on fast storage, for many of its tensors, and
-        warming their cells afterwards only took the node's CPU and workers from the
-        tensors it has not reached. (Other requests waiting on the cell still get it.)
+        warming their cells afterwards would only take the node's CPU and workers from
+        the tensors it has not reached. (Other requests waiting on the cell still get it.)
         Only for a request in the node plan: one still being admitted has nothing warmed
         or queued yet, and its stream must begin with its plan, not end before it."""
         for key in request.consume(groups):

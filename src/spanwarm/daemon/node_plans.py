@@ -148,8 +148,8 @@ class NodePlans:
                 else:
                     # A thread, not a helper process: a batch carries every user's spans
                     # of its files (20 MB for 64 ranks of 10,000), each pipe buffer of it
-                    # a GIL round trip with the loop; planned in a helper, the loop stalled
-                    # for 4-10 s while ranks were warmed in 3 of 4 bench/bench_load.py runs.
+                    # a GIL round trip with the loop; planned in a helper, the loop stalls
+                    # for 4-10 s while ranks are warmed (3 of 4 bench/bench_load.py runs).
                     plans = await loop.run_in_executor(self._pool, _plan, jobs, self.chunk)
             except Exception as exc:  # a bug: refuse the requests that waited, keep serving
                 logger.exception("planning failed")

@@ -154,8 +154,8 @@ def index_cells(
         hull_lo = np.minimum.reduceat(lo, heads)
         hull_hi = np.maximum.reduceat(hi, heads)
         # A row comes when its first group does: groups are numbered in the order the
-        # rank reads them (the wire contract), across all its files. (Not a span's index
-        # in its own file, which put every file's first cell before any second one.)
+        # rank reads them (the wire contract), across all its files. (A span's index in
+        # its own file would put every file's first cell before any second one.)
         first_group = group[heads]  # each row's groups are sorted
     else:
         hull_lo = hull_hi = first_group = np.zeros(0, np.int64)
@@ -403,12 +403,12 @@ class Request:
         return self.id
 
     # Equality is identity (object's own, in C): a cell's waiter list is searched for a
-    # request on every wait, and a Python __eq__ made that a call per waiter.
+    # request on every wait, and a Python __eq__ would make that a call per waiter.
 
 
 class _RowSet:
     """The cells a request still waits for, as one flag per row: ``in``, ``discard``,
-    ``len`` and iteration, like the set of keys it replaces."""
+    ``len`` and iteration, like a set of cell keys at a byte per row."""
 
     def __init__(self, request: Request) -> None:
         self._request = request

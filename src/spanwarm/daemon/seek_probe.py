@@ -280,9 +280,10 @@ class SeekProber:
 
             def forget(index: int, start: int, stop: int) -> None:
                 """What the probe read leaves the page cache at once, from the probe's
-                thread: dropped at the probe's end, pages another process had read since
-                went too (32 MiB in an attack run). Not once a request has come: it may
-                be warming, or have found resident, those very pages."""
+                thread: dropped at the probe's end, they would take with them pages
+                another process has read since (32 MiB in an attack run). Not once a
+                request has come: it may be warming, or have found resident, those very
+                pages."""
                 if busy():
                     return
                 with contextlib.suppress(OSError):

@@ -254,8 +254,8 @@ def run(config: DaemonConfig) -> NoReturn:
         status = runner.run(serve(config))
     # Served and stopped cleanly (state saved, socket gone, descriptors closed): leave
     # without the interpreter's teardown. grpc's C-core threads still running during it
-    # aborted the process (SIGABRT, "terminate called without an active exception") in
-    # 5 of 40 stops whose ranks went away as SIGTERM came (scripts/stop_repeatedly.py),
+    # abort the process (SIGABRT, "terminate called without an active exception") in
+    # 5 of 40 stops whose ranks go away as SIGTERM comes (scripts/stop_repeatedly.py),
     # which systemd records as a crash; and a worker hung in a read has nothing to finish.
     logging.shutdown()
     sys.stdout.flush()

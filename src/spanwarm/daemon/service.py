@@ -346,8 +346,8 @@ class WarmerService:
             if context.done():
                 # The caller went away meanwhile (cancelled, or its deadline passed): no
                 # status can reach it, and a refusal would fail again ("Abort already
-                # called"), logged as a daemon error. Seen when a rank's last Consumed
-                # report raced the end of its request and its channel's close.
+                # called"), logged as a daemon error. It happens when a rank's last
+                # Consumed report races the end of its request and its channel's close.
                 logger.debug("call ended by its caller before its answer: %r", exc)
                 raise asyncio.CancelledError from exc
             data = b""  # the abort's traceback keeps this frame: not the message with it

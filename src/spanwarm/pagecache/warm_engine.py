@@ -270,10 +270,10 @@ class WarmOperation:
     is streamed by the kernel's read-ahead, with the descriptor ``POSIX_FADV_SEQUENTIAL``
     for the rest of the operation, and a shorter one is read exactly, under
     ``MADV_RANDOM`` (see :meth:`_populate`). Each kind has one mapping of the operation's
-    range, made on its first piece: an mmap and a munmap per piece took the process's
+    range, made on its first piece: an mmap and a munmap per piece take the process's
     mmap lock for writing twice a piece, stalling every other worker's populate, and
-    advice set and reset per piece cost four calls; without them (and without a mapping
-    for each piece's residency check) the daemon alone warmed the emulated cross-region
+    advice set and reset per piece costs four calls; without them (and without a mapping
+    for each piece's residency check) the daemon alone warms the emulated cross-region
     mount's node plan 3.6% sooner.
     """
 
@@ -356,10 +356,10 @@ class WarmOperation:
         # read-ahead, a window or two in flight, in order, with the descriptor
         # FADV_SEQUENTIAL meanwhile (which doubles its window: on FUSE 256 KiB requests,
         # half as many, each a round trip through the file system's server; the daemon
-        # alone warmed the emulated mounts' node plan 20% sooner). That reads at most
+        # alone warms the emulated mounts' node plan 20% sooner). That reads at most
         # 2-3 of the device's windows past each run (1-2% more bytes on the emulated
-        # mounts). Hinting the windows here instead was slower on the emulated
-        # cross-region mount, measured: 8 ahead of the populate, 2-5% slower loads and
+        # mounts). Hinting the windows here is slower on the emulated cross-region
+        # mount, measured: 8 ahead of the populate, 2-5% slower loads and
         # ranks reading 10-50 tensors themselves instead of 1-2; a streamed front and
         # the last two windows exact, the daemon alone 12% slower; all windows at once,
         # 64 requests of one descriptor served out of order, seeks (1.7x the time).

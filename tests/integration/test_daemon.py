@@ -701,6 +701,7 @@ def test_a_load_cancelled_right_after_its_last_report_leaves_no_thread(tmp_path:
     waited for good, holding the ticket (7 of 8 loads left one, found by an attack run)."""
     path = cold_file(tmp_path / "f", 4 * MiB)
     spans = [span(f"t{i}", path, i * MiB, MiB) for i in range(4)]
+    earlier = set(threading.enumerate())  # other tests' loads may still be winding down
     with running_daemon("--method", "read") as daemon:
         client = Client(daemon.socket)
         for _ in range(8):
@@ -719,7 +720,9 @@ def test_a_load_cancelled_right_after_its_last_report_leaves_no_thread(tmp_path:
         client.close()
 
         def reporters() -> int:
-            return sum(t.name == "spanwarm-reports" for t in threading.enumerate())
+            return sum(
+                t.name == "spanwarm-reports" and t not in earlier for t in threading.enumerate()
+            )
 
         deadline = time.monotonic() + 10
         while reporters() and time.monotonic() < deadline:

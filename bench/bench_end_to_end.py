@@ -1,6 +1,8 @@
 """End to end, the seed's scenario scaled to this machine.
 
-    .venv/bin/python bench/bench_end_to_end.py [--mounts local,cross-region] [--reps 3]
+    .venv/bin/python bench/bench_end_to_end.py [--mounts local,cross-region] [--reps 3] \
+        [--arms none,whole,spanwarm,limit,cattensors,runai,fastsafetensors,instanttensor] \
+        [--memory-limit 0.5]
 
 A synthetic MoE + dense checkpoint (packed experts, or one tensor per expert) in 10
 shards; a job of 4 nodes x 2 local ranks, whose 2 local ranks (node 0, or ``--node N``)
@@ -18,7 +20,28 @@ repetition:
   and no loader: as many streams as the daemon has workers, a fresh descriptor per
   operation, operations of the daemon's chunk size, read with read-ahead doubled
   (``FADV_SEQUENTIAL``) where the device's window is smaller than an operation, as the
-  daemon streams such a piece, else exactly (``FADV_RANDOM``).
+  daemon streams such a piece, else exactly (``FADV_RANDOM``);
+- the loaders users pick instead (the ``bench-peers`` extra; bench/peer_loaders.py says how
+  each is used): ``cattensors``, ``runai`` (runai-model-streamer), ``fastsafetensors``,
+  ``instanttensor``. An arm whose package is not installed, or that cannot run here (a
+  tiny load through it, before the runs, fails), stays in the table with the reason.
+
+``--arms`` picks the arms (default: the first four).
+
+``--memory-limit FRACTION``: the node has less memory than it must read. The node's ranks,
+the daemon and the limit arm's reader run in one memory cgroup (bench/memory_cgroup.py:
+cgroup v1's ``memory.limit_in_bytes``, else v2's ``memory.max``; skipped with the reason
+where neither can be set) whose room for page cache is FRACTION of the node plan's bytes:
+its limit is that plus what the node's processes hold themselves (the ranks' and the
+daemon's anonymous memory, measured in the unlimited first load). Ranks copy each slice
+into one reused buffer (``--discard``: on a GPU node the weights are device memory, not the
+node's), so the cgroup holds page cache and the processes, not weights. The daemon is
+started inside the cgroup after its limit is set (its budget comes from the cgroup's room;
+the bench checks that its pid is there and reports the budget), sharing the state
+directory of the unlimited daemon that learned the mount. Peers' buffers get each rank's
+share of the cache room (``RUNAI_STREAMER_MEMORY_LIMIT``, fastsafetensors'
+``device_memory_budget``), or the largest tensor where that is larger. The resident pairs
+are skipped.
 
 Before the measured runs, one ``spanwarm`` load (not measured) is the node's first on the
 mount: the daemon learns the mount's throughput from it and, once idle, probes its seek
@@ -30,7 +53,12 @@ last run is read), time to each rank's first tensor, bytes read from storage (th
 mount's counter; on ``local`` the block device's read counter, which anything else reading
 meanwhile adds to), and peak page cache used by the checkpoint (sampled with mincore); for
 ``spanwarm`` also its warm phase (request to the last requested tensor ready, slowest
-rank). Then, with every byte already resident, paired ``none`` and ``spanwarm`` runs
+rank). Bytes read from storage include re-reads after eviction; *more than once* says
+whether an arm read more than 1.05x its footprint, the bytes it needs once: the node plan
+for ``none``, ``spanwarm`` and ``limit``, every file for ``whole`` and ``cattensors``
+(whole-file warming), the node's tensors, whole, for the other peers (for ``none``,
+read-ahead past its slices counts too); under a memory limit also the cgroup's peak
+usage. Then, with every byte already resident, paired ``none`` and ``spanwarm`` runs
 (``--warm-reps``): what spanwarm costs when there is nothing to gain; ranks copy into new
 tensors they keep, or, with ``--resident-load in-place``, into memory of their own
 allocated and zeroed before the barrier (as torch DCP loads in place: no page faults on
@@ -52,14 +80,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
-from spanwarm.checkpoint.resolve import open_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import peer_loaders
+from bench.memory_cgroup import MemoryCgroup, anonymous_memory, create_memory_cgroup
+from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
 from spanwarm.checkpoint.samples import write_sharded_checkpoint
 from spanwarm.checkpoint.tensor_layout import TensorSpans
 from spanwarm.client import Client
@@ -76,7 +107,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE, VOCAB = 2048, 8, 32, 768, 32000
 WORLD, LOCAL_WORLD = 8, 2
-ARMS = ("none", "whole", "spanwarm", "limit")
+BASE_ARMS = ("none", "whole", "spanwarm", "limit")
+ARMS = (*BASE_ARMS, *peer_loaders.PEERS)
+# What each arm needs to read once (its footprint): the node plan, whole files, or the
+# node's tensors whole; more than MORE_THAN_ONCE x that counts as reading bytes twice.
+WHOLE_FILES, WHOLE_TENSORS = ("whole", "cattensors"), peer_loaders.STREAMED
+MORE_THAN_ONCE = 1.05  # on local, other readers of the disk add to its counter
+# Under --memory-limit: room in the cgroup beyond the processes' measured memory and the
+# page cache share (the kernel's own charges, a rank's allocations after its first load).
+CGROUP_SLACK = 64 * 2**20
 WORKERS, CHUNK = 8, 8 * 2**20  # the daemon's defaults: operations in flight, their size
 # Every rank process, every arm: OMP_NUM_THREADS=1, as torchrun sets it for more than one
 # local rank: torch's threads of two ranks on two cores otherwise spin against each
@@ -205,8 +244,6 @@ def mounted(source: Path, preset: str) -> Iterator[tuple[Path, Any]]:
     if preset == "local":
         yield source, None
         return
-    if str(ROOT) not in sys.path:  # run as a script, bench/ is on the path but its parent is not
-        sys.path.insert(0, str(ROOT))
     from spanwarm.testing.slowfs import fuse_available, mount
 
     reason = fuse_available()
@@ -247,6 +284,8 @@ def run_local_ranks(
     stderr: int | None = None,
     cold: bool = True,
     first_rank: int = 0,
+    cgroup: MemoryCgroup | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One arm on a node (its ranks from ``first_rank`` on): evict, run ``script`` as its
     ``local_world`` ranks started together at a file barrier, and measure. Each rank prints
@@ -254,37 +293,50 @@ def run_local_ranks(
     ``results``, with the wall time from the first start to the last finish, bytes read
     from storage, peak page cache and node plan (not sampled unless ``cold``: with every
     byte resident there is nothing to see, and the sampling's CPU, the daemon's Status
-    calls under spanwarm, would be in the walls)."""
+    calls under spanwarm, would be in the walls). With ``cgroup``, the ranks run in it
+    (and its peak usage and OOM kills are reported); ``env`` adds to their environment.
+    A rank that fails raises RuntimeError with the end of its stderr (kept unless
+    ``stderr`` sends it elsewhere)."""
     for path in paths if cold else ():
         evict(path)
     barrier = Path(tempfile.mkdtemp(prefix="sw-barrier-"))
     before = storage_bytes(paths, fs)
+    kills = cgroup.oom_kills() if cgroup is not None else 0
+    if cgroup is not None:
+        cgroup.reset_peak()
     sampling = CacheSampler(paths, socket if arm == "spanwarm" else None)
+    # Each rank's stderr in a file (a pipe read after its stdout could fill and stall it);
+    # closed in the finally below.
+    logs = [tempfile.TemporaryFile() for _ in range(local_world)]  # noqa: SIM115
     try:
         with sampling if cold else contextlib.nullcontext(sampling) as sampler:
-            ranks = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(HERE / script),
-                        str(checkpoint),
-                        *("--arm", arm, "--rank", str(first_rank + r), "--local-rank", str(r)),
-                        *("--local-world", str(local_world), "--world", str(world)),
-                        *("--barrier", str(barrier), "--socket", socket, *extra),
-                    ],
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    cwd=ROOT,
-                    env={**RANK_ENV, **os.environ},
+            ranks = []
+            for r in range(local_world):
+                command = [
+                    sys.executable,
+                    str(HERE / script),
+                    str(checkpoint),
+                    *("--arm", arm, "--rank", str(first_rank + r), "--local-rank", str(r)),
+                    *("--local-world", str(local_world), "--world", str(world)),
+                    *("--barrier", str(barrier), "--socket", socket, *extra),
+                ]
+                ranks.append(
+                    subprocess.Popen(
+                        command if cgroup is None else cgroup.join_command(command),
+                        stdout=subprocess.PIPE,
+                        stderr=logs[r] if stderr is None else stderr,
+                        cwd=ROOT,
+                        env={**RANK_ENV, **os.environ, **(env or {})},
+                    )
                 )
-                for r in range(local_world)
-            ]
             outputs = [p.communicate()[0] for p in ranks]
         if any(p.returncode for p in ranks):
-            raise RuntimeError(f"{arm}: a rank failed ({[p.returncode for p in ranks]})")
+            raise RuntimeError(rank_failure(arm, ranks, logs, cgroup, kills))
         results = [json.loads(out.splitlines()[-1]) for out in outputs]
     finally:
         shutil.rmtree(barrier, ignore_errors=True)
+        for log in logs:
+            log.close()
     start = min(r["start"] for r in results)
     return {
         "arm": arm,
@@ -293,15 +345,39 @@ def run_local_ranks(
         "storage_bytes": storage_bytes(paths, fs) - before,
         "peak_cache_bytes": sampler.peak,
         "planned_bytes": sampler.planned,
+        "cgroup_peak_bytes": cgroup.peak() if cgroup is not None else None,
+        "oom_kills": cgroup.oom_kills() - kills if cgroup is not None else 0,
     }
 
 
-def node_runs(checkpoint: Path, seek_cost: int, node: int = 0) -> list[tuple[str, int, int]]:
-    """The node plan's runs, (path, start, stop): the local ranks' spans, computed by
-    e2e_rank.py as the spanwarm arm requests them, through the cost model."""
-    spans = []
-    ranks = [node * LOCAL_WORLD + r for r in range(LOCAL_WORLD)]
-    for local, rank in enumerate(ranks):
+def rank_failure(
+    arm: str,
+    ranks: list[subprocess.Popen[bytes]],
+    logs: Sequence[IO[bytes]],
+    cgroup: MemoryCgroup | None,
+    kills: int,
+) -> str:
+    """Why a run's ranks failed: exit codes, OOM kills in the cgroup, the last line of the
+    first failed rank's stderr."""
+    codes = [p.returncode for p in ranks]
+    reason = f"{arm}: a rank failed ({codes})"
+    if cgroup is not None and cgroup.oom_kills() > kills:
+        reason += f", {cgroup.oom_kills() - kills} OOM kill(s) in the memory cgroup"
+    for p, log in zip(ranks, logs, strict=True):
+        log.seek(0)
+        lines = log.read().decode(errors="replace").strip().splitlines()
+        if p.returncode and lines:
+            sys.stderr.write("\n".join(lines[-20:]) + "\n")
+            return f"{reason}: {lines[-1]}"
+    return reason
+
+
+def node_requests(checkpoint: Path, node: int = 0) -> tuple[list[TensorSpans], set[str]]:
+    """The node's local ranks' spans, as the spanwarm arm requests them, and the names of
+    the tensors they load (computed by e2e_rank.py)."""
+    spans, names = [], set()
+    for local in range(LOCAL_WORLD):
+        rank = node * LOCAL_WORLD + local
         out = subprocess.run(
             [
                 sys.executable,
@@ -317,6 +393,22 @@ def node_runs(checkpoint: Path, seek_cost: int, node: int = 0) -> list[tuple[str
             cwd=ROOT,
         ).stdout
         spans += [TensorSpans("", *row) for row in json.loads(out.splitlines()[-1])]
+        names.update(json.loads(out.splitlines()[-2]))
+    return spans, names
+
+
+def node_runs(checkpoint: Path, seek_cost: int, node: int = 0) -> list[tuple[str, int, int]]:
+    """The node plan's runs, (path, start, stop): the local ranks' spans, computed by
+    e2e_rank.py as the spanwarm arm requests them, through the cost model."""
+    spans, _ = node_requests(checkpoint, node)
+    return plan_runs(checkpoint, spans, seek_cost, node)
+
+
+def plan_runs(
+    checkpoint: Path, spans: list[TensorSpans], seek_cost: int, node: int
+) -> list[tuple[str, int, int]]:
+    """The runs of the node plan for the local ranks' ``spans``."""
+    ranks = [node * LOCAL_WORLD + r for r in range(LOCAL_WORLD)]
     plan = plan_node_spans(
         open_checkpoint(checkpoint),
         spans,
@@ -325,6 +417,27 @@ def node_runs(checkpoint: Path, seek_cost: int, node: int = 0) -> list[tuple[str
         seek_cost=seek_cost,
     )
     return [(f.path, a, b) for f in plan.files for a, b in f.runs.pairs()]
+
+
+def footprints(checkpoint: Path, plan_bytes: int, names: set[str]) -> dict[str, int]:
+    """Per arm, the bytes it needs to read once: the node plan (what the ranks' slices
+    touch, as spanwarm plans it), every file whole, or the node's tensors (``names``)
+    whole."""
+    files = open_checkpoint(checkpoint)
+    whole_files = sum(header.file_size for header in files.headers)
+    whole_tensors = sum(tensor_bytes(files, name) for name in names)
+    return {
+        arm: whole_files
+        if arm in WHOLE_FILES
+        else whole_tensors
+        if arm in WHOLE_TENSORS
+        else plan_bytes
+        for arm in ARMS
+    }
+
+
+def tensor_bytes(checkpoint: Checkpoint, name: str) -> int:
+    return sum(info.end - info.begin for _, info in checkpoint.pieces[name])
 
 
 def read_runs(runs: list[tuple[str, int, int]]) -> None:
@@ -356,11 +469,23 @@ def read_runs(runs: list[tuple[str, int, int]]) -> None:
         list(pool.map(operation, operations))
 
 
-def run_limit(runs: list[tuple[str, int, int]], paths: list[Path], fs: Any) -> dict[str, Any]:
+def run_limit(
+    runs: list[tuple[str, int, int]],
+    paths: list[Path],
+    fs: Any,
+    cgroup: MemoryCgroup | None = None,
+) -> dict[str, Any]:
+    """The limit arm; with ``cgroup``, the bench reads from inside it (the page cache it
+    fills is charged there)."""
     for path in paths:
         evict(path)
     before = storage_bytes(paths, fs)
-    with CacheSampler(paths, None) as sampler:
+    if cgroup is not None:
+        cgroup.reset_peak()
+    with (
+        CacheSampler(paths, None) as sampler,
+        cgroup.joined() if cgroup is not None else contextlib.nullcontext(),
+    ):
         start = time.monotonic()
         read_runs(runs)
         wall = time.monotonic() - start
@@ -374,6 +499,8 @@ def run_limit(runs: list[tuple[str, int, int]], paths: list[Path], fs: Any) -> d
         "request_s": [0.0] * LOCAL_WORLD,
         "warm_s": wall,
         "loaded_bytes": 0,
+        "cgroup_peak_bytes": cgroup.peak() if cgroup is not None else None,
+        "oom_kills": 0,
     }
 
 
@@ -387,6 +514,8 @@ def run_arm(
     cold: bool = True,
     rank_args: tuple[str, ...] = (),
     node: int = 0,
+    cgroup: MemoryCgroup | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     run = run_local_ranks(
         "e2e_rank.py",
@@ -400,6 +529,8 @@ def run_arm(
         extra=("--experts", str(EXPERTS), *rank_args),
         cold=cold,
         first_rank=node * LOCAL_WORLD,
+        cgroup=cgroup,
+        env=env,
     )
     results = run.pop("results")
     warm = [r["warm_s"] for r in results if r.get("warm_s") is not None]
@@ -411,6 +542,7 @@ def run_arm(
         "loaded_bytes": sum(r["bytes"] for r in results),
         "outcomes": [r.get("outcomes", {}) for r in results],
         "waited_s": [round(r.get("waited_s", 0.0), 3) for r in results],
+        "anon_bytes": sum(r.get("anon_bytes", 0) for r in results),
     }
 
 
@@ -501,70 +633,263 @@ def warm_cache(
     }
 
 
+def peer_availability(arms: list[str]) -> dict[str, str]:
+    """Per peer arm that cannot run here, why: its package is missing, or a tiny load
+    through it failed (bench/peer_loaders.py's probe; the last line of its stderr)."""
+    reasons = {}
+    for arm in arms:
+        if arm not in peer_loaders.PEERS:
+            continue
+        done = subprocess.run(
+            [sys.executable, str(HERE / "peer_loaders.py"), arm],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**RANK_ENV, **os.environ},
+        )
+        lines = done.stderr.strip().splitlines()
+        if done.returncode:
+            reasons[arm] = lines[-1] if lines else f"its probe exited {done.returncode}"
+            print(f"{arm}: does not install/run here: {reasons[arm]}", flush=True)
+        else:
+            print(f"{arm}: {done.stdout.strip()}", flush=True)
+    return reasons
+
+
+def parse_arms(text: str) -> list[str]:
+    arms = [arm for arm in text.split(",") if arm]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or "spanwarm" not in arms:
+        raise SystemExit(f"--arms: {unknown} unknown, or no spanwarm; choose among {ARMS}")
+    return arms
+
+
+def repetitions(
+    arms: list[str],
+    reps: int,
+    rng: random.Random,
+    label: str,
+    limit_runs: list[tuple[str, int, int]],
+    checkpoint: Path,
+    paths: list[Path],
+    socket: str,
+    fs: Any,
+    *,
+    node: int,
+    cgroup: MemoryCgroup | None = None,
+    env: dict[str, str] | None = None,
+    rank_args: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """``reps`` repetitions of ``arms``, in a fresh random order each. A peer arm that
+    fails, or any arm under a memory limit (an OOM kill is a result there), is recorded
+    with its error; a base arm's failure elsewhere stops the bench."""
+    runs = []
+    for rep in range(reps):
+        for arm in rng.sample(arms, len(arms)):
+            try:
+                if arm == "limit":
+                    result = run_limit(limit_runs, paths, fs, cgroup)
+                else:
+                    result = run_arm(
+                        arm,
+                        checkpoint,
+                        paths,
+                        socket,
+                        fs,
+                        node=node,
+                        cgroup=cgroup,
+                        env=env,
+                        rank_args=rank_args,
+                    )
+            except RuntimeError as error:
+                if arm in BASE_ARMS and cgroup is None:
+                    raise
+                result = {"arm": arm, "error": str(error)}
+            result["rep"] = rep
+            runs.append(result)
+            print_run(label, rep, result)
+    return runs
+
+
+def print_run(label: str, rep: int, result: dict[str, Any]) -> None:
+    arm = result["arm"]
+    if "error" in result:
+        print(f"  {label} rep {rep} {arm}: failed: {result['error']}", flush=True)
+        return
+    print(
+        f"  {label} rep {rep} {arm}: {result['wall_s']:.2f} s, "
+        f"read {format_bytes(result['storage_bytes'])}, first tensor "
+        f"{result['first_s']}, spans sent after {result['request_s']}"
+        + (f", waits {result['outcomes']} for {result['waited_s']} s" if arm == "spanwarm" else "")
+        + (
+            f", cgroup peak {format_bytes(result['cgroup_peak_bytes'])}"
+            if result.get("cgroup_peak_bytes") is not None
+            else ""
+        ),
+        flush=True,
+    )
+
+
+def largest_tensor(checkpoint: Path) -> int:
+    files = open_checkpoint(checkpoint)
+    return max(tensor_bytes(files, name) for name in files.pieces)
+
+
+def peer_memory_env(cache_room: int, largest: int) -> dict[str, str]:
+    """Under a memory limit, each rank's share of the cache room for a peer's buffers (or
+    the largest tensor, which their buffers must hold, where that is larger)."""
+    share = str(max(cache_room // LOCAL_WORLD, largest))
+    return {"RUNAI_STREAMER_MEMORY_LIMIT": share, peer_loaders.MEMORY_ENV: share}
+
+
+@contextlib.contextmanager
+def daemon_in(cgroup: MemoryCgroup, flags: list[str]) -> Iterator[Any]:
+    """A daemon started inside ``cgroup`` (the bench joins it while it forks the daemon),
+    checked to be there."""
+    with contextlib.ExitStack() as stack:
+        with cgroup.joined():
+            daemon = stack.enter_context(spawn_daemon(*flags))
+        if not cgroup.holds(daemon.process.pid):
+            raise RuntimeError(f"the daemon ({daemon.process.pid}) is not in {cgroup.directory}")
+        yield daemon
+
+
+def daemon_budget(socket: str) -> int:
+    client = Client(socket)
+    try:
+        return int(client.status()["budget_bytes"])
+    finally:
+        client.close()
+
+
+def state_dir_flags(daemon_args: list[str], directory: str) -> list[str]:
+    """``daemon_args`` with a state directory (``directory`` unless they name one): the
+    daemon in the cgroup learns nothing again that the first daemon learned."""
+    return daemon_args if "--state-dir" in daemon_args else [*daemon_args, "--state-dir", directory]
+
+
 def paired(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median walls per arm and the paired median ratios (runs of one repetition)."""
-    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
-    reps = len(by_arm["spanwarm"])
+    by_arm = {arm: ok for arm in ARMS if (ok := succeeded(runs, arm))}
 
-    def ratio(a: str, b: str, key: str = "wall_s", key_b: str = "wall_s") -> float:
-        return float(
-            statistics.median(by_arm[a][i][key] / by_arm[b][i][key_b] for i in range(reps))
-        )
+    def ratio(a: str, b: str, key: str = "wall_s", key_b: str = "wall_s") -> float | None:
+        pairs = [
+            x[key] / y[key_b]
+            for x in by_arm.get(a, [])
+            for y in by_arm.get(b, [])
+            if x["rep"] == y["rep"]
+        ]
+        return float(statistics.median(pairs)) if pairs else None
 
+    ratios = {f"{arm}/spanwarm": ratio(arm, "spanwarm") for arm in by_arm if arm != "spanwarm"}
+    ratios["spanwarm/limit"] = ratio("spanwarm", "limit")
+    ratios["spanwarm_warm_phase/limit"] = ratio("spanwarm", "limit", "warm_s")
     return {
         "arms": {
-            arm: {"wall_s": statistics.median(r["wall_s"] for r in rs)}
+            arm: {
+                "wall_s": statistics.median(r["wall_s"] for r in rs),
+                "storage_bytes": statistics.median(r["storage_bytes"] for r in rs),
+            }
             for arm, rs in by_arm.items()
         },
-        "paired": {
-            "none/spanwarm": ratio("none", "spanwarm"),
-            "whole/spanwarm": ratio("whole", "spanwarm"),
-            "spanwarm/limit": ratio("spanwarm", "limit"),
-            "spanwarm_warm_phase/limit": ratio("spanwarm", "limit", "warm_s"),
-        },
-        "spanwarm_warm_phase_s": statistics.median(r["warm_s"] for r in by_arm["spanwarm"]),
+        "paired": {name: value for name, value in ratios.items() if value is not None},
+        "spanwarm_warm_phase_s": statistics.median(r["warm_s"] for r in by_arm.get("spanwarm", []))
+        if "spanwarm" in by_arm
+        else None,
     }
 
 
-def summarize(label: str, runs: list[dict[str, Any]]) -> list[str]:
+def succeeded(runs: list[dict[str, Any]], arm: str) -> list[dict[str, Any]]:
+    return [r for r in runs if r["arm"] == arm and "error" not in r]
+
+
+def arm_row(arm: str, rs: list[dict[str, Any]], footprint: int, plan: int) -> str:
+    """One arm's row: wall, first tensor, storage (re-reads included) against the node plan
+    and against the arm's own footprint, peak page cache, and the cgroup's peak."""
+    walls = [r["wall_s"] for r in rs]
+    firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(LOCAL_WORLD)]
+    first = "" if arm == "limit" else " / ".join(f"{f * 1000:.0f} ms" for f in firsts)
+    read = statistics.median(r["storage_bytes"] for r in rs)
+    twice = "yes" if read > MORE_THAN_ONCE * footprint else "no"
+    peak = statistics.median(r["peak_cache_bytes"] for r in rs)
+    peaks = [r["cgroup_peak_bytes"] for r in rs if r.get("cgroup_peak_bytes") is not None]
+    cgroup = f" | {format_bytes(int(statistics.median(peaks)))}" if peaks else ""
+    return (
+        f"| {arm} | {statistics.median(walls):.2f} s ({min(walls):.2f}-{max(walls):.2f}) | "
+        + first
+        + f" | {format_bytes(int(read))} ({read / plan:.2f}x) | "
+        f"{twice} ({read / footprint:.2f}x) | {format_bytes(int(peak))}{cgroup} |"
+    )
+
+
+def summarize(
+    label: str,
+    runs: list[dict[str, Any]],
+    arms: list[str],
+    footprint: dict[str, int],
+    unavailable: dict[str, str],
+) -> list[str]:
+    plan = footprint["spanwarm"]
+    limited = any(r.get("cgroup_peak_bytes") is not None for r in runs)
     lines = [
         f"\n### {label}\n",
         "| arm | wall (median, min-max) | first tensor, rank 0 / 1 (median) "
-        "| read from storage | peak page cache |",
-        "| --- | --- | --- | --- | --- |",
+        "| read from storage (x node plan) | more than once? (x its footprint) "
+        "| peak page cache |" + (" cgroup peak |" if limited else ""),
+        "| --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else ""),
     ]
-    by_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
-    for arm, rs in by_arm.items():
-        walls = [r["wall_s"] for r in rs]
-        firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(LOCAL_WORLD)]
-        first = "" if arm == "limit" else " / ".join(f"{f * 1000:.0f} ms" for f in firsts)
-        lines.append(
-            f"| {arm} | {statistics.median(walls):.2f} s ({min(walls):.2f}-{max(walls):.2f}) | "
-            + first
-            + f" | {format_bytes(int(statistics.median(r['storage_bytes'] for r in rs)))} | "
-            f"{format_bytes(int(statistics.median(r['peak_cache_bytes'] for r in rs)))} |"
-        )
+    empty = " |" * (4 + limited)
+    for arm in arms:
+        rs = succeeded(runs, arm)
+        errors = [r["error"] for r in runs if r["arm"] == arm and "error" in r]
+        if arm in unavailable:
+            lines.append(f"| {arm} | does not install/run here: {unavailable[arm]} |{empty}")
+        elif not rs:
+            lines.append(f"| {arm} | failed in every run: {errors[0] if errors else '-'} |{empty}")
+        else:
+            lines.append(arm_row(arm, rs, footprint[arm], plan))
+            if errors:
+                lines[-1] += f" ({len(errors)} run(s) failed: {errors[0]})"
     figures = paired(runs)
     ratios = figures["paired"]
-    lines.append(
-        f"\nPaired ratios (same repetition), median: (b)/(c) = {ratios['whole/spanwarm']:.2f}x, "
-        f"(a)/(c) = {ratios['none/spanwarm']:.2f}x; against the limit (d): spanwarm end to "
-        f"end {ratios['spanwarm/limit']:.2f}x, its warm phase "
-        f"({figures['spanwarm_warm_phase_s']:.2f} s, request to the last tensor ready) "
-        f"{ratios['spanwarm_warm_phase/limit']:.2f}x."
+    versus = ", ".join(
+        f"{name.split('/')[0]} {value:.2f}x"
+        for name, value in ratios.items()
+        if name.endswith("/spanwarm")
     )
-    read = statistics.median(r["storage_bytes"] for r in by_arm["spanwarm"])
-    planned = statistics.median(r["planned_bytes"] for r in by_arm["spanwarm"])
-    lines.append(
-        f"spanwarm read {format_bytes(int(read))} from storage for a node plan of "
-        f"{format_bytes(int(planned))} (needed bytes plus bridged gaps): {read / planned:.3f}x."
-    )
-    first_total = [max(r["first_s"]) / r["wall_s"] for r in by_arm["spanwarm"]]
-    lines.append(
-        "Time to first tensor under (c), as a share of (c)'s wall time: "
-        f"{statistics.median(first_total):.1%}."
-    )
+    if versus:
+        lines.append(f"\nPaired ratios (same repetition), median, arm / spanwarm: {versus}.")
+    if "spanwarm/limit" in ratios:
+        lines.append(
+            f"Against the limit: spanwarm end to end {ratios['spanwarm/limit']:.2f}x, its warm "
+            f"phase ({figures['spanwarm_warm_phase_s']:.2f} s, request to the last tensor "
+            f"ready) {ratios['spanwarm_warm_phase/limit']:.2f}x."
+        )
+    spanwarm = succeeded(runs, "spanwarm")
+    if spanwarm:
+        read = statistics.median(r["storage_bytes"] for r in spanwarm)
+        lines.append(
+            f"spanwarm read {format_bytes(int(read))} from storage for a node plan of "
+            f"{format_bytes(plan)} (needed bytes plus bridged gaps): {read / plan:.3f}x."
+        )
+        first_total = [max(r["first_s"]) / r["wall_s"] for r in spanwarm]
+        lines.append(
+            "Time to first tensor under spanwarm, as a share of its wall time: "
+            f"{statistics.median(first_total):.1%}."
+        )
     return lines
+
+
+def memory_label(scenario: dict[str, Any]) -> str:
+    return (
+        f"; memory cgroup (v{scenario['cgroup_version']}) limit "
+        f"{format_bytes(scenario['limit_bytes'])}: page cache room "
+        f"{format_bytes(scenario['cache_room_bytes'])} ({scenario['fraction']:g} x the node "
+        f"plan) + the processes' own {format_bytes(scenario['own_bytes'])} + "
+        f"{format_bytes(CGROUP_SLACK)} slack; the daemon in it, its budget "
+        f"{format_bytes(scenario['budget_bytes'])} "
+        f"({scenario['budget_bytes'] / scenario['cache_room_bytes']:.2f}x the page cache room)"
+    )
 
 
 def main() -> None:
@@ -574,6 +899,18 @@ def main() -> None:
     parser.add_argument("--mounts", default="local,cross-region")
     parser.add_argument("--layouts", default="packed,per-expert")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--arms",
+        default=",".join(BASE_ARMS),
+        help=f"comma-separated, among {','.join(ARMS)} (spanwarm is needed)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="FRACTION",
+        help="run the node in a memory cgroup with page cache room for FRACTION of the "
+        "node plan's bytes (e.g. 0.5)",
+    )
     parser.add_argument("--data", type=Path, default=Path("/var/tmp/spanwarm-bench"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument(
@@ -583,7 +920,8 @@ def main() -> None:
         "--warm-reps",
         type=int,
         default=3,
-        help="paired none/spanwarm runs with the checkpoint already resident (0: none)",
+        help="paired none/spanwarm runs with the checkpoint already resident (0: none; "
+        "skipped under --memory-limit)",
     )
     parser.add_argument(
         "--resident-load",
@@ -602,49 +940,100 @@ def main() -> None:
         help="which node's ranks run (0 holds every tensor's first rows; 1 holds none)",
     )
     args = parser.parse_args()
+    arms = parse_arms(args.arms)
     command = "python bench/bench_end_to_end.py " + " ".join(sys.argv[1:])
     lines = [f"\n## End to end: the seed's scenario\n\n```console\n{command}\n```"]
+    unavailable = peer_availability(arms)
+    runnable = [arm for arm in arms if arm not in unavailable]
+    cgroup = None
+    if args.memory_limit is not None:
+        made = create_memory_cgroup(f"spanwarm-bench-{os.getpid()}")
+        if isinstance(made, str):
+            print(f"--memory-limit: skipped, no memory cgroup can be set here ({made})")
+            return
+        cgroup = made
     rng = random.Random(0)
     figures: list[dict[str, Any]] = []
-    for layout in args.layouts.split(","):
-        source = args.data / f"moe-{layout}"
-        paths = build_checkpoint(source, layout)
-        total = sum(p.stat().st_size for p in paths)
-        print(f"{layout}: {len(paths)} shards, {format_bytes(total)}", flush=True)
-        for preset in args.mounts.split(","):
-            with (
-                mounted(source, preset) as (checkpoint, fs),
-                spawn_daemon("--log-level", "warning", *args.daemon_args.split()) as daemon,
-            ):
-                mounted_paths = sorted(checkpoint.glob("*.safetensors"))
-                # The first load: the daemon learns the mount (its seek cost probe).
-                run_arm("spanwarm", checkpoint, mounted_paths, daemon.socket, fs, node=args.node)
-                seek_cost = probed_seek_cost(
-                    daemon.socket, mounted_paths[0], args.daemon_args.split()
+    try:
+        for layout in args.layouts.split(","):
+            source = args.data / f"moe-{layout}"
+            paths = build_checkpoint(source, layout)
+            total = sum(p.stat().st_size for p in paths)
+            print(f"{layout}: {len(paths)} shards, {format_bytes(total)}", flush=True)
+            for preset in args.mounts.split(","):
+                figures.append({"mount": preset, "layout": layout})
+                lines += run_mount(
+                    args, runnable, arms, unavailable, rng, source, preset, cgroup, figures[-1]
                 )
-                print(f"  {preset}: seek cost {format_bytes(seek_cost)}", flush=True)
-                limit_runs = node_runs(checkpoint, seek_cost, args.node)
-                runs = []
-                for rep in range(args.reps):
-                    for arm in rng.sample(ARMS, len(ARMS)):
-                        if arm == "limit":
-                            result = run_limit(limit_runs, mounted_paths, fs)
-                        else:
-                            result = run_arm(
-                                arm, checkpoint, mounted_paths, daemon.socket, fs, node=args.node
-                            )
-                        runs.append(result)
-                        print(
-                            f"  {preset} rep {rep} {arm}: {result['wall_s']:.2f} s, "
-                            f"read {format_bytes(result['storage_bytes'])}, first tensor "
-                            f"{result['first_s']}, spans sent after {result['request_s']}"
-                            + (
-                                f", waits {result['outcomes']} for {result['waited_s']} s"
-                                if arm == "spanwarm"
-                                else ""
-                            ),
-                            flush=True,
-                        )
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"runs": figures}, indent=2) + "\n")
+
+
+def run_mount(
+    args: argparse.Namespace,
+    runnable: list[str],
+    arms: list[str],
+    unavailable: dict[str, str],
+    rng: random.Random,
+    source: Path,
+    preset: str,
+    cgroup: MemoryCgroup | None,
+    figures: dict[str, Any],
+) -> list[str]:
+    """One layout on one mount: the node's first load, then the repetitions (in the memory
+    cgroup under ``--memory-limit``), then the resident pairs; its table's lines, its
+    figures into ``figures``."""
+    paths = sorted(source.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in paths)
+    daemon_args = args.daemon_args.split()
+    discard = ("--discard",) if cgroup is not None else ()
+    warm: dict[str, float] = {}
+    scenario: dict[str, Any] = {}
+    with (
+        mounted(source, preset) as (checkpoint, fs),
+        tempfile.TemporaryDirectory(prefix="sw-state-") as state,
+    ):
+        if cgroup is not None:
+            daemon_args = state_dir_flags(daemon_args, state)
+        mounted_paths = sorted(checkpoint.glob("*.safetensors"))
+        with spawn_daemon("--log-level", "warning", *daemon_args) as daemon:
+            # The first load: the daemon learns the mount (its seek cost probe).
+            first = run_arm(
+                "spanwarm",
+                checkpoint,
+                mounted_paths,
+                daemon.socket,
+                fs,
+                node=args.node,
+                rank_args=discard,
+            )
+            seek_cost = probed_seek_cost(daemon.socket, mounted_paths[0], daemon_args)
+            print(f"  {preset}: seek cost {format_bytes(seek_cost)}", flush=True)
+            spans, names = node_requests(checkpoint, args.node)
+            limit_runs = plan_runs(checkpoint, spans, seek_cost, args.node)
+            plan_bytes = sum(b - a for _, a, b in limit_runs)
+            footprint = footprints(checkpoint, plan_bytes, names)
+            own_bytes = first["anon_bytes"] + anonymous_memory(daemon.process.pid)
+            if cgroup is None:
+                runs = repetitions(
+                    runnable,
+                    args.reps,
+                    rng,
+                    preset,
+                    limit_runs,
+                    checkpoint,
+                    mounted_paths,
+                    daemon.socket,
+                    fs,
+                    node=args.node,
+                )
                 warm = warm_cache(
                     args.warm_reps,
                     checkpoint,
@@ -654,34 +1043,64 @@ def main() -> None:
                     in_place=args.resident_load == "in-place",
                     node=args.node,
                 )
-            label = (
-                f"{layout} layout, {format_bytes(total)} in {len(paths)} shards, mount `{preset}` "
-                f"(seek cost {format_bytes(seek_cost)}, as the daemon probed it)"
-            )
-            figures.append({"mount": preset, "layout": layout})
-            if runs:  # --reps 0: only the resident pairs
-                lines += summarize(label, runs)
-                figures[-1].update(paired(runs))
-            else:
-                lines.append(f"\n### {label}\n")
-            if warm:
-                lines.append(
-                    f"Already resident (page cache warm, {args.warm_reps} paired runs, "
-                    f"{args.resident_load} tensors): none "
-                    f"{warm['none_s']:.2f} s, spanwarm {warm['spanwarm_s']:.2f} s, median "
-                    f"none/spanwarm {warm['none/spanwarm']:.2f}x; fastest of each arm "
-                    f"{1e3 * warm['fastest_none_s']:.1f} / "
-                    f"{1e3 * warm['fastest_spanwarm_s']:.1f} ms"
-                    f" ({warm['fastest none/spanwarm']:.2f}x); the slowest rank's request() "
-                    f"{1e3 * warm['request_s']:.1f} ms (median)."
+        if cgroup is not None:
+            cache_room = int(args.memory_limit * plan_bytes)
+            limit = cgroup.set_limit(cache_room + own_bytes + CGROUP_SLACK)
+            with daemon_in(cgroup, ["--log-level", "warning", *daemon_args]) as daemon:
+                scenario = {
+                    "fraction": args.memory_limit,
+                    "cgroup": str(cgroup.directory),
+                    "cgroup_version": cgroup.version,
+                    "limit_bytes": limit,
+                    "cache_room_bytes": cache_room,
+                    "own_bytes": own_bytes,
+                    "plan_bytes": plan_bytes,
+                    "budget_bytes": daemon_budget(daemon.socket),
+                    "daemon_pid": daemon.process.pid,
+                }
+                print(f"  {preset}: {json.dumps(scenario)}", flush=True)
+                runs = repetitions(
+                    runnable,
+                    args.reps,
+                    rng,
+                    preset,
+                    limit_runs,
+                    checkpoint,
+                    mounted_paths,
+                    daemon.socket,
+                    fs,
+                    node=args.node,
+                    cgroup=cgroup,
+                    env=peer_memory_env(cache_room, largest_tensor(checkpoint)),
+                    rank_args=discard,
                 )
-                figures[-1]["warm_cache"] = {**warm, "load": args.resident_load}
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps({"runs": figures}, indent=2) + "\n")
+    label = (
+        f"{source.name.removeprefix('moe-')} layout, {format_bytes(total)} in {len(paths)} "
+        f"shards, mount `{preset}` (seek cost {format_bytes(seek_cost)}, as the daemon "
+        f"probed it{memory_label(scenario) if scenario else ''})"
+    )
+    lines: list[str] = []
+    if scenario:
+        figures["memory_limit"] = scenario
+    if runs:  # --reps 0: only the resident pairs
+        lines += summarize(label, runs, arms, footprint, unavailable)
+        figures.update(paired(runs))
+        figures["unavailable"] = unavailable
+    else:
+        lines.append(f"\n### {label}\n")
+    if warm:
+        lines.append(
+            f"Already resident (page cache warm, {args.warm_reps} paired runs, "
+            f"{args.resident_load} tensors): none "
+            f"{warm['none_s']:.2f} s, spanwarm {warm['spanwarm_s']:.2f} s, median "
+            f"none/spanwarm {warm['none/spanwarm']:.2f}x; fastest of each arm "
+            f"{1e3 * warm['fastest_none_s']:.1f} / "
+            f"{1e3 * warm['fastest_spanwarm_s']:.1f} ms"
+            f" ({warm['fastest none/spanwarm']:.2f}x); the slowest rank's request() "
+            f"{1e3 * warm['request_s']:.1f} ms (median)."
+        )
+        figures["warm_cache"] = {**warm, "load": args.resident_load}
+    return lines
 
 
 if __name__ == "__main__":

@@ -11,11 +11,19 @@ its own slices through safetensors, tensor by tensor:
 - ``whole``: the seed's base PR: first read ``files[local_rank::local_world]`` whole (4
   threads, 16 MiB reads), then load;
 - ``spanwarm``: request the rank's spans from the daemon, wait per tensor, load;
-- ``spans``: print the spans ``spanwarm`` would request, as JSON, and exit (no load).
+- ``spans``: print the tensor names this rank loads, then the spans ``spanwarm`` would
+  request, as JSON lines, and exit (no load);
+- ``cattensors``, ``runai``, ``fastsafetensors``, ``instanttensor``: through that loader,
+  used as bench/peer_loaders.py describes (cattensors through the same safetensors slices
+  as ``none``; the others hand over whole tensors in their own order, from which the rank
+  copies its boxes).
 
 Each slice is copied into new tensors the rank keeps to the end, as a model's load keeps
 its weights; with ``--in-place``, into the model's own memory instead, allocated and
-zeroed before the barrier (torch DCP loads a state dict in place so).
+zeroed before the barrier (torch DCP loads a state dict in place so); with ``--discard``,
+into one buffer reused for every slice, as a GPU rank's host memory holds a slice only on
+its way to the device (the low-memory scenario: the node's memory holds page cache, not
+weights).
 
 Prints one JSON line: start time (monotonic clock, comparable across processes),
 time to the first tensor, time to the last, bytes of slices loaded, and under
@@ -26,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import itertools
 import json
+import math
 import os
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +49,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
@@ -48,6 +58,10 @@ from spanwarm.checkpoint import placements as model
 from spanwarm.checkpoint.resolve import Checkpoint, open_checkpoint
 from spanwarm.client import Client, Ticket, rank_spans
 from spanwarm.client.rank_spans import model_placements
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import peer_loaders
+from bench.memory_cgroup import anonymous_memory
 
 TP = 4
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head")
@@ -147,7 +161,11 @@ def rank_arguments() -> argparse.ArgumentParser:
     """The arguments bench_end_to_end.run_local_ranks gives every rank process."""
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--arm", choices=("none", "whole", "spanwarm", "spans"), required=True)
+    parser.add_argument(
+        "--arm",
+        choices=("none", "whole", "spanwarm", "spans", *peer_loaders.PEERS),
+        required=True,
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--local-rank", type=int, required=True)
     parser.add_argument("--local-world", type=int, required=True)
@@ -157,14 +175,141 @@ def rank_arguments() -> argparse.ArgumentParser:
     return parser
 
 
+class Destination:
+    """Where the rank's slices land: new tensors it keeps, as a model's load keeps its
+    weights (the default); the model's own memory, allocated and zeroed before the barrier
+    (``--in-place``); or one buffer reused for every slice (``--discard``)."""
+
+    def __init__(
+        self, memory: dict[str, list[torch.Tensor]] | None, scratch_bytes: int | None
+    ) -> None:
+        self.memory = memory
+        self.scratch = None
+        if scratch_bytes is not None:
+            self.scratch = torch.zeros(scratch_bytes, dtype=torch.uint8)
+        self.weights: list[torch.Tensor] = []  # held to the end
+
+    def copy(self, name: str, i: int, source: torch.Tensor) -> int:
+        """Copy box ``i`` of tensor ``name`` (a view of a mapping or of a loader's buffer:
+        copying it reads it); the bytes copied."""
+        if self.memory is not None:
+            return self.memory[name][i].copy_(source).nbytes
+        if self.scratch is not None:
+            target = self.scratch[: source.nbytes].view(source.dtype).view(source.shape)
+            return target.copy_(source).nbytes
+        # New tensors, kept: each lands in fresh memory. A clone dropped at once let glibc
+        # hand the next one the same pages or not, at random per process, which made every
+        # arm's resident loads 1x or 2x long.
+        self.weights.append(source.clone())
+        return self.weights[-1].nbytes
+
+
+@dataclasses.dataclass
+class Progress:
+    """What a rank's load did, tensor by tensor."""
+
+    start: float
+    loaded: int = 0
+    first: float | None = None
+    waited: float = 0.0
+    outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Per tensor: name, outcome, bytes loaded, seconds waited, seconds reading.
+    tensors: list[tuple[str, str, int, float, float]] = dataclasses.field(default_factory=list)
+
+    def record(self, name: str, outcome: str, loaded: int, waiting: float, reading: float) -> None:
+        """Tensor ``name`` loaded ``loaded`` bytes; it waited from ``waiting`` to ``reading``
+        (monotonic times) and read from then to now."""
+        now = time.monotonic()
+        self.loaded += loaded
+        self.waited += reading - waiting
+        self.tensors.append((name, outcome, loaded, reading - waiting, now - reading))
+        if self.first is None:
+            self.first = now - self.start
+
+
+def all_boxes(
+    checkpoint: Checkpoint, state: dict[str, tuple[Any, list[Placement], DeviceMesh]]
+) -> dict[str, list[tuple[slice, ...]]]:
+    """Per tensor of the rank's state dict, the boxes it loads."""
+    return {
+        name: local_boxes(value, placements, mesh, checkpoint.pieces[name][0][1].shape)
+        for name, (value, placements, mesh) in state.items()
+    }
+
+
+def largest_box(checkpoint: Checkpoint, boxes: dict[str, list[tuple[slice, ...]]]) -> int:
+    """Bytes of the largest box the rank loads."""
+    return max(
+        math.prod(int(s.stop) - int(s.start) for s in box)
+        * DTYPES[checkpoint.pieces[name][0][1].dtype].itemsize
+        for name, tensor_boxes in boxes.items()
+        for box in tensor_boxes
+    )
+
+
+def load_sliced(
+    checkpoint: Checkpoint,
+    boxes: dict[str, list[tuple[slice, ...]]],
+    open_file: Any,
+    ticket: Ticket | None,
+    destination: Destination,
+    progress: Progress,
+) -> None:
+    """Tensor by tensor in the state dict's order, each box a safetensors slice (after the
+    daemon's word on it, under ``spanwarm``)."""
+    handles = {}
+    for name, tensor_boxes in boxes.items():
+        outcome = ""
+        waiting = time.monotonic()
+        if ticket is not None:
+            outcome = ticket.wait_for_read(name)  # as spanwarm's integrations wait
+            progress.outcomes[outcome] += 1
+        reading = time.monotonic()
+        header = checkpoint.pieces[name][0][0]
+        if header.path not in handles:
+            handles[header.path] = open_file(header.path, framework="pt")
+        view = handles[header.path].get_slice(name)
+        loaded = sum(destination.copy(name, i, view[box]) for i, box in enumerate(tensor_boxes))
+        progress.record(name, outcome, loaded, waiting, reading)
+        if ticket is not None:
+            if outcome == "read":
+                ticket.took(name, time.monotonic() - reading)  # as GatedReads reports
+            ticket.consumed([name])
+
+
+def load_streamed(
+    arm: str,
+    checkpoint: Checkpoint,
+    boxes: dict[str, list[tuple[slice, ...]]],
+    destination: Destination,
+    progress: Progress,
+) -> None:
+    """Through a peer loader that hands over whole tensors in its own order: copy the
+    rank's boxes out of each before taking the next."""
+    paths = sorted({checkpoint.pieces[name][0][0].path for name in boxes})
+    waiting = time.monotonic()
+    for name, tensor in peer_loaders.stream(arm, paths, list(boxes)):
+        reading = time.monotonic()  # the loader's time for this tensor counts as waiting
+        loaded = sum(destination.copy(name, i, tensor[box]) for i, box in enumerate(boxes[name]))
+        progress.record(name, "", loaded, waiting, reading)
+        waiting = time.monotonic()
+
+
 def main() -> None:
     parser = rank_arguments()
     parser.add_argument("--experts", type=int, required=True)
-    parser.add_argument(
+    places = parser.add_mutually_exclusive_group()
+    places.add_argument(
         "--in-place",
         action="store_true",
         help="copy into the model's own memory, allocated and zeroed before the barrier "
         "(as torch DCP loads a state dict in place), not into new tensors",
+    )
+    places.add_argument(
+        "--discard",
+        action="store_true",
+        help="copy every slice into one reused buffer (a GPU rank's host memory holds a "
+        "slice only on its way to the device), not into new tensors",
     )
     args = parser.parse_args()
 
@@ -175,11 +320,17 @@ def main() -> None:
     state_dict = {name: value for name, (value, _, _) in state.items()}
     if args.arm == "spans":  # for the limit arm: what this rank would request, and stop
         spans = rank_spans(state_dict, checkpoint, unmatched="skip", first_pages=True)
+        print(json.dumps(list(state_dict)))
         print(json.dumps([[s.path, s.offset, s.length, s.stride, s.count] for s in spans]))
         dist.destroy_process_group()
         return
 
-    memory = model_memory(checkpoint, state) if args.in_place else None
+    boxes = all_boxes(checkpoint, state)
+    destination = Destination(
+        model_memory(checkpoint, state) if args.in_place else None,
+        largest_box(checkpoint, boxes) if args.discard else None,
+    )
+    open_file = peer_loaders.safe_open_of(args.arm)  # cattensors patches it here
     start = start_together(args.barrier, args.local_rank, args.local_world)
     cpu_start = time.process_time()  # the rank's CPU (all threads) from here to the end
 
@@ -205,47 +356,11 @@ def main() -> None:
         watcher = threading.Thread(target=watch, args=(ticket,), daemon=True)
         watcher.start()
 
-    handles = {}
-    weights: list[torch.Tensor] = []  # what this rank loaded, held to the end as a model would
-    outcomes: collections.Counter[str] = collections.Counter()
-    # Per tensor: name, outcome, bytes loaded, seconds waited, seconds reading.
-    tensors: list[tuple[str, str, int, float, float]] = []
-    waited = 0.0
-    first = None
-    loaded = 0
-    for name, (value, placements, mesh) in state.items():
-        outcome = ""
-        waiting = time.monotonic()
-        if ticket is not None:
-            outcome = ticket.wait_for_read(name)  # as spanwarm's integrations wait
-            outcomes[outcome] += 1
-        reading = time.monotonic()
-        waited += reading - waiting
-        before = loaded
-        header, info = checkpoint.pieces[name][0]
-        if header.path not in handles:
-            handles[header.path] = safe_open(header.path, framework="pt")
-        view = handles[header.path].get_slice(name)  # type: ignore[no-untyped-call]
-        for i, box in enumerate(local_boxes(value, placements, mesh, info.shape)):
-            # A slice can be a view of the mapping: copying it reads it.
-            if memory is not None:
-                loaded += memory[name][i].copy_(view[box]).nbytes
-                continue
-            # New tensors, kept, as a model's load keeps its weights: each lands in fresh
-            # memory. A clone dropped at once let glibc hand the next one the same pages
-            # or not, at random per process, which made every arm's resident loads 1x or
-            # 2x long.
-            weights.append(view[box].clone())
-            loaded += weights[-1].nbytes
-        tensors.append(
-            (name, outcome, loaded - before, reading - waiting, time.monotonic() - reading)
-        )
-        if ticket is not None:
-            if outcome == "read":
-                ticket.took(name, time.monotonic() - reading)  # as GatedReads reports
-            ticket.consumed([name])
-        if first is None:
-            first = time.monotonic() - start
+    progress = Progress(start)
+    if args.arm in peer_loaders.STREAMED:
+        load_streamed(args.arm, checkpoint, boxes, destination, progress)
+    else:
+        load_sliced(checkpoint, boxes, open_file, ticket, destination, progress)
     total = time.monotonic() - start
     cpu = time.process_time() - cpu_start
     if watcher is not None:
@@ -257,17 +372,18 @@ def main() -> None:
             {
                 "rank": args.rank,
                 "start": start,
-                "first_s": first,
+                "first_s": progress.first,
                 "total_s": total,
                 "cpu_s": cpu,
-                "bytes": loaded,
+                "bytes": progress.loaded,
                 "released": 0 if ticket is None else len(ticket.failures),
                 "request_s": requested,
                 "warm_s": warm[0] if warm else None,
                 "pid": os.getpid(),
-                "outcomes": dict(outcomes),  # ready: warmed in time; read: read it itself
-                "waited_s": waited,
-                "tensors": tensors,
+                "anon_bytes": anonymous_memory(),
+                "outcomes": dict(progress.outcomes),  # ready: warmed in time; read: itself
+                "waited_s": progress.waited,
+                "tensors": progress.tensors,
             }
         )
     )

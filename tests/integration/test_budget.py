@@ -182,23 +182,37 @@ def test_hold_keeps_warmed_spans_mapped_until_read(tmp_path: Path) -> None:
 
 def test_the_daemon_derives_its_budget_from_the_cgroup(tmp_path: Path) -> None:
     """A fake cgroup filesystem laid out where this process's cgroups say (the daemon
-    inherits them): 1 GiB limit, 256 MiB working set, so half of 768 MiB is the budget."""
+    inherits them): 1 GiB limit, 256 MiB working set, so half of 768 MiB is the budget;
+    then 768 MiB of working set, half of 256 MiB."""
     root = tmp_path / "cgroup"
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            directory = root / path.lstrip("/")
-            write(directory / "memory.max", f"{2**30}\n")
-            write(directory / "memory.current", f"{2**28}\n")
-            write(directory / "memory.stat", "inactive_file 0\n")
-        elif "memory" in controllers.split(","):
-            directory = root / "memory" / path.lstrip("/")
-            write(directory / "memory.limit_in_bytes", f"{2**30}\n")
-            write(directory / "memory.usage_in_bytes", f"{2**28}\n")
-            write(directory / "memory.stat", "total_inactive_file 0\n")
+
+    def working_set(nbytes: int) -> None:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                directory = root / path.lstrip("/")
+                write(directory / "memory.max", f"{2**30}\n")
+                write(directory / "memory.current", f"{nbytes}\n")
+                write(directory / "memory.stat", "inactive_file 0\n")
+            elif "memory" in controllers.split(","):
+                directory = root / "memory" / path.lstrip("/")
+                write(directory / "memory.limit_in_bytes", f"{2**30}\n")
+                write(directory / "memory.usage_in_bytes", f"{nbytes}\n")
+                write(directory / "memory.stat", "total_inactive_file 0\n")
+
+    working_set(2**28)
     with running_daemon("--cgroup-root", str(root)) as daemon:
-        status = Client(daemon.socket, read_yourself=False).status()
-    assert status["budget_bytes"] == (2**30 - 2**28) // 2
+        client = Client(daemon.socket, read_yourself=False)
+        assert client.status()["budget_bytes"] == (2**30 - 2**28) // 2
+        # The ranks' own memory grows as they load: the budget follows the room left.
+        working_set(3 * 2**28)
+        deadline = time.monotonic() + 10
+        while client.status()["budget_bytes"] != (2**30 - 3 * 2**28) // 2:
+            assert time.monotonic() < deadline, "the budget did not follow the cgroup"
+            time.sleep(0.2)
+    # A fixed size stays what it says.
+    with running_daemon("--cgroup-root", str(root), "--memory-budget", "64MiB") as daemon:
+        assert Client(daemon.socket, read_yourself=False).status()["budget_bytes"] == 64 * MiB
 
 
 def test_a_held_cell_the_rank_cannot_read_yet_does_not_stall_it_past_the_budget(

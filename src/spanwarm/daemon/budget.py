@@ -4,7 +4,9 @@ The default comes from what the node can really give: ``MemAvailable``, and insi
 container the cgroup's limit minus its working set (usage less inactive file pages,
 as the kubelet counts it), cgroup v2 or v1, whichever is tighter. The page cache the
 daemon warms is charged to its own cgroup, so a budget above the cgroup's room would
-only make the kernel reclaim what was just warmed.
+only make the kernel reclaim what was just warmed. A share is derived again every second:
+the ranks' own memory grows while they load (in a pod, in the daemon's cgroup), and a
+budget taken at the daemon's start would then exceed the room left.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from pathlib import Path
 
 from spanwarm.units import parse_size
 
-__all__ = ["DEFAULT_SHARE", "available_memory", "cgroup_room", "parse_budget"]
+__all__ = [
+    "DEFAULT_SHARE",
+    "available_memory",
+    "cgroup_room",
+    "follows_memory",
+    "parse_budget",
+]
 
 DEFAULT_SHARE = 0.5  # of what is available: the job needs memory too while it loads
 _UNLIMITED = 2**60
@@ -76,6 +84,12 @@ def available_memory(
     available = _stat(meminfo, "MemAvailable:") * 1024
     room = cgroup_room(cgroup_root, proc_cgroup)
     return min(available, room) if room is not None else available
+
+
+def follows_memory(text: str | None) -> bool:
+    """Whether a budget setting is a share of what the node can give (the default, or a
+    percentage), to be derived again as that changes, rather than a fixed size."""
+    return text is None or text.strip().endswith("%")
 
 
 def parse_budget(text: str | None, available: int) -> int:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from spanwarm.checkpoint.spans import SpanTable
-from spanwarm.daemon.budget import available_memory, parse_budget
+from spanwarm.daemon.budget import available_memory, follows_memory, parse_budget
 from spanwarm.daemon.cells import Cell, CellTable
 from spanwarm.daemon.closer import Closer
 from spanwarm.daemon.config import DaemonConfig
@@ -140,9 +140,8 @@ class Node:
         self.bytes_verified_total = 0
         self.metrics = Metrics()
         self.refusals = Refusals()
-        available = available_memory(cgroup_root=Path(config.cgroup_root))
         self.holds: Holds[CellKey, Request] = Holds(
-            parse_budget(config.memory_budget, available),
+            self._derived_budget(),
             self.chunk,
             unmap=self.page_cache.unpin,
         )
@@ -172,6 +171,8 @@ class Node:
     async def _refresh_metrics(self) -> None:
         for tick in itertools.count(1):
             try:
+                if follows_memory(self.config.memory_budget):
+                    self.holds.budget = self._derived_budget()
                 self._expire_holds()
                 if self.share.running:  # an operation may have become stuck: workers to reuse
                     self._wake.set()
@@ -183,6 +184,11 @@ class Node:
             except Exception:  # a metrics refresh must never stop the holds from expiring
                 logger.exception("refreshing the metrics failed")
             await asyncio.sleep(1.0)
+
+    def _derived_budget(self) -> int:
+        """--memory-budget applied to what the node, or the daemon's cgroup, can give now."""
+        available = available_memory(cgroup_root=Path(self.config.cgroup_root))
+        return parse_budget(self.config.memory_budget, available)
 
     def _probe_must_stop(self) -> bool:
         """Asked by the seek-cost probe's thread between its reads."""

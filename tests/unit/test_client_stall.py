@@ -25,7 +25,12 @@ def test_a_request_that_finishes_is_not_released() -> None:
     finished = threading.Event()
     finished.set()
     released: list[int] = []
-    assert watch(finished, lambda: 1e9, lambda: released.append(1) or 1, 0.05) is None
+
+    def release() -> int:
+        released.append(1)
+        return 1
+
+    assert watch(finished, lambda: 1e9, release, 0.05) is None
     assert released == []
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -75,7 +76,7 @@ def test_spans_left_out_keep_their_tensor_numbers_and_renumber_files(tmp_path: P
 def test_files_that_would_not_open_leave_with_their_tensors_named(tmp_path: Path) -> None:
     columns = NumberedSpans.of(spans(tmp_path)).columns()
 
-    def request() -> warmer_pb2.WarmRequest:
+    def request() -> Any:
         return columns.into(warmer_pb2.WarmRequest(groups=["x", "y"]))
 
     kept, dropped = drop_files(request(), {0: "a: cannot open it: Permission denied"})

@@ -74,12 +74,10 @@ def test_an_operation_asked_to_make_way_frees_its_worker_after_overtime() -> Non
 def test_finish_gives_back_the_operation_and_turns_restart() -> None:
     share = _share()
     op = share.start(1000, now=0.0)
-    assert share.running
-    assert share.in_flight == 1
+    assert (share.running, share.in_flight) == (True, 1)
     assert share.user_in_flight[1000] == 1
     share.finish(op, now=1.0)  # failed before it read: no service charged
-    assert not share.running
-    assert share.in_flight == 0
+    assert (share.running, share.in_flight) == (False, 0)
     assert 1000 not in share.user_in_flight
     assert share.served(1.0)[1000] == 0.0
     share.took_turn(1000, 3)

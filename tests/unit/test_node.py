@@ -184,7 +184,7 @@ async def _test_a_released_request_gives_back_its_files_and_cells(
         loop.call_soon_threadsafe(started.set)
         asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10)
 
-    _cache(node).on_read = hold  # type: ignore[assignment]
+    _cache(node).on_read = hold
     r = _request(node, [(f, "t", 0, 2 * MiB)])
     await node.register(r)
     await asyncio.wait_for(started.wait(), 10)

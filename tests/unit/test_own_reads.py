@@ -18,6 +18,7 @@ import pytest
 
 from spanwarm.client.client import Ticket
 from spanwarm.client.own_reads import OwnReads
+from spanwarm.client.tensor_state import TensorState
 from spanwarm.pagecache.residency import PAGE, resident_bytes
 from spanwarm.rpc.v1 import warmer_pb2
 from tests.daemon_harness import cold_file, fuse_file
@@ -151,7 +152,7 @@ def test_a_ticket_hints_what_it_tells_the_loader_to_read_cold(tmp_path: Path) ->
         request([str(path)], [(0, 8 * MiB, 4 * MiB, 4 * MiB, 1, 0), (0, 0, MiB, MiB, 1, 1)])
     )
     ticket._read_yourself_s = np.array([0.001, 0.001])  # sooner read than waited for
-    ticket._mark([1], 1)  # "warm": ready, read from the page cache, no hint
+    ticket._mark([1], TensorState.READY)  # "warm": ready, read from the page cache, no hint
     assert ticket.wait_for_read("cold") == "read"
     assert ticket.wait_for_read("warm") == "ready"
     fd = os.open(path, os.O_RDONLY)
@@ -162,7 +163,8 @@ def test_a_ticket_hints_what_it_tells_the_loader_to_read_cold(tmp_path: Path) ->
     finally:
         os.close(fd)
     before = open_fds()
-    ticket._mark([0], 1)  # nothing pending: nothing more to hint, its descriptor goes
+    # Nothing pending: nothing more to hint, its descriptor goes.
+    ticket._mark([0], TensorState.READY)
     assert open_fds() == before - 1
     assert ticket._own_reads is None
 

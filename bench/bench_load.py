@@ -841,7 +841,9 @@ def main() -> None:
         "process and back, over and over: the floor of any local call on the loaded node. "
         "B: one client sends requests one "
         "after another (request, all ready, consumed, stream ended). The daemon's RSS and "
-        "descriptors: idle before, peak (every 50 ms), and 2 s after the last stream ended.\n",
+        "descriptors: idle before, peak (every 50 ms), and after: 2 s after the last stream "
+        "ended, or once the descriptors are back to idle (the idle seek probe keeps a copy "
+        "of each candidate file's until it has run), 60 s at most.\n",
     ]
     reclaim = proactive_reclaim()
     if reclaim:

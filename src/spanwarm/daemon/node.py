@@ -561,10 +561,11 @@ class Node:
         cell = self.cells.get(key)
         if cell is None:
             return
+        planned = self.plans.planned(key, 0, 2**62)  # once for every waiter
         for request in list(cell.waiters):
             if key not in request.pending:
                 continue
-            if not satisfied(request, key, cell, self.plans.planned):
+            if not satisfied(request, key, cell, planned):
                 # The read did not cover it: go again, first. (A rank held to its first
                 # tensor finds that tensor's cells wherever they are.)
                 request.queue.appendleft(key)

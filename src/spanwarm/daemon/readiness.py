@@ -10,29 +10,22 @@ of it is on a page the storage failed, and the request is done once no group is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from spanwarm.daemon.cells import Cell
 from spanwarm.daemon.files import OpenFile
-from spanwarm.daemon.ranges import Range, since, subtract
+from spanwarm.daemon.ranges import Range, clip, since, subtract
 from spanwarm.daemon.request import FAILED, PENDING, READY, CellKey, Event, EventKind, Request
 from spanwarm.pagecache.warm_engine import BadRange
 
 __all__ = ["fail_bad_pages", "fail_cell_groups", "finish_if_resolved", "mark_ready", "satisfied"]
 
 
-def satisfied(
-    request: Request,
-    key: CellKey,
-    cell: Cell[Request],
-    planned: Callable[[CellKey, int, int], list[Range]],
-) -> bool:
+def satisfied(request: Request, key: CellKey, cell: Cell[Request], planned: list[Range]) -> bool:
     """Whether warm operations completed since the request arrived cover its need in the
-    cell. Bytes that failed while it waited on the cell are not needed: its groups on them
-    failed then (:func:`fail_bad_pages`); a failure from before it waited is not excused,
-    the bytes are read again."""
+    cell (``planned``: the plan's ranges in the cell). Bytes that failed while it waited
+    on the cell are not needed: its groups on them failed then (:func:`fail_bad_pages`); a
+    failure from before it waited is not excused, the bytes are read again."""
     lo, hi = request.hull(key)
-    need = subtract(planned(key, lo, hi), since(cell.bad, request.activated))
+    need = subtract(clip(planned, lo, hi), since(cell.bad, request.activated))
     return not subtract(need, since(cell.warm, request.arrival))
 
 
@@ -44,10 +37,10 @@ def mark_ready(request: Request, key: CellKey) -> None:
     groups = groups[request.state[groups] == PENDING]
     request.remaining[groups] -= 1
     now_ready = groups[request.remaining[groups] == 0]
-    if now_ready.size:
+    if now_ready.size:  # (else no group changed: its resolution cannot have either)
         request.state[now_ready] = READY
         request.events.put_nowait(Event(EventKind.READY, tuple(now_ready.tolist())))
-    finish_if_resolved(request)
+        finish_if_resolved(request)
 
 
 def fail_cell_groups(request: Request, key: CellKey, code: str, cause: str) -> bool:

@@ -249,6 +249,7 @@ class Request:
             chunk,
         )
         self.group_bytes = cells.group_bytes
+        self._nbytes = int(self.group_bytes.sum())  # asked for by every Status and cap check
         self.rows = cells.rows  # of its strided spans: what planning expands (--user-max-rows)
         self.hull_lo, self.hull_hi = cells.hull_lo, cells.hull_hi
         self._group_flat, self._group_ptr = cells.group_flat, cells.group_ptr
@@ -385,7 +386,7 @@ class Request:
 
     @property
     def nbytes(self) -> int:
-        return int(self.group_bytes.sum())
+        return self._nbytes
 
     @property
     def waiting(self) -> npt.NDArray[np.bool_]:

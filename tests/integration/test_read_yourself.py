@@ -549,7 +549,9 @@ def test_tensors_read_before_the_request_went_out_are_hinted_too(tmp_path: Path)
                     assert ticket.wait_for_read(name, timeout=60) in ("read", "ready")
                     _ = mapping[i * 8 * MiB : i * 8 * MiB + MiB]  # a copy: every page in
             time.sleep(0.2)  # any read-ahead the faults began lands meanwhile
-            assert [resident_bytes(fd, i * 8 * MiB, MiB) for i in range(8)] == [MiB] * 8
+            # Read in (the machine's idle reclaim may already have taken a page back):
+            read = [resident_bytes(fd, i * 8 * MiB, MiB) for i in range(8)]
+            assert all(n >= 0.995 * MiB for n in read), read
             gaps = [resident_bytes(fd, i * 8 * MiB + MiB, 7 * MiB) for i in range(8)]
             assert gaps == [0] * 8  # nothing around the tensors
         finally:

@@ -171,9 +171,9 @@ class Node:
     async def _refresh_metrics(self) -> None:
         for tick in itertools.count(1):
             try:
+                self._expire_holds()
                 if follows_memory(self.config.memory_budget):
                     self.holds.budget = self._derived_budget()
-                self._expire_holds()
                 if self.share.running:  # an operation may have become stuck: workers to reuse
                     self._wake.set()
                 self.metrics.refresh(self.status())
